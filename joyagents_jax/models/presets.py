@@ -1,0 +1,44 @@
+"""Model presets: the released Qwen2.5 shapes and tiny configs for tests and the CPU default.
+
+Shapes are the ones in the official Qwen2.5 `config.json` files (hidden, intermediate, layers,
+heads, kv heads, vocab, tied embeddings, rope theta, rms eps). A checkpoint's own `config.json` always
+wins when loading (`hf_io.config_from_hf`); presets serve random-weight runs, `plan` and tests.
+"""
+
+from __future__ import annotations
+
+from joyagents_jax.models.qwen2 import Qwen2Config
+
+_QWEN_VOCAB_SMALL = 151936  # 0.5B-3B (tied embeddings)
+_QWEN_VOCAB_LARGE = 152064  # 7B and larger (separate lm_head)
+
+
+def _qwen25(hidden, inter, layers, heads, kv, vocab, tie):
+    return Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+                       num_layers=layers, num_heads=heads, num_kv_heads=kv, rope_theta=1e6,
+                       rms_norm_eps=1e-6, tie_embeddings=tie, max_position_embeddings=32768)
+
+
+PRESETS: dict[str, Qwen2Config] = {
+    "qwen2.5-0.5b": _qwen25(896, 4864, 24, 14, 2, _QWEN_VOCAB_SMALL, True),
+    "qwen2.5-1.5b": _qwen25(1536, 8960, 28, 12, 2, _QWEN_VOCAB_SMALL, True),
+    "qwen2.5-3b": _qwen25(2048, 11008, 36, 16, 2, _QWEN_VOCAB_SMALL, True),
+    "qwen2.5-7b": _qwen25(3584, 18944, 28, 28, 4, _QWEN_VOCAB_LARGE, False),
+    "qwen2.5-14b": _qwen25(5120, 13824, 48, 40, 8, _QWEN_VOCAB_LARGE, False),
+    "qwen2.5-32b": _qwen25(5120, 27648, 64, 40, 8, _QWEN_VOCAB_LARGE, False),
+    "qwen2.5-72b": _qwen25(8192, 29568, 80, 64, 8, _QWEN_VOCAB_LARGE, False),
+    # The embedded CPU default: byte vocabulary (see tokenizers.ByteTokenizer), ~0.1M params.
+    "tiny": Qwen2Config(vocab_size=264, hidden_size=64, intermediate_size=192, num_layers=2,
+                        num_heads=4, num_kv_heads=2, rope_theta=1e4, max_position_embeddings=1024),
+    # ~30M parameters: the sampler benchmark's mid size (byte vocabulary).
+    "small-30m": Qwen2Config(vocab_size=264, hidden_size=512, intermediate_size=1536,
+                             num_layers=9, num_heads=8, num_kv_heads=2, rope_theta=1e4,
+                             max_position_embeddings=4096),
+}
+
+
+def get_preset(name: str, **overrides) -> Qwen2Config:
+    """A preset by name, with optional field overrides (e.g. dtype='bfloat16')."""
+    if name not in PRESETS:
+        raise ValueError(f"Unknown model preset {name!r}; choose one of {sorted(PRESETS)}.")
+    return PRESETS[name].replace(**overrides)

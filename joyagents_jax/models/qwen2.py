@@ -1,0 +1,299 @@
+"""Qwen2 / Qwen2.5 decoder as pure functions over a params pytree.
+
+Params are a nested dict of arrays (no module objects), so `jit`, `vmap` over a stacked agent axis
+and sharding rules see plain pytrees. The decoder layers are stacked on a leading layer axis and
+run with `lax.scan`, so compile time does not grow with depth; `cfg.remat` rematerializes each
+layer in the backward pass.
+
+Layout (HF's [out, in] linear weights become [in, out] kernels; attention kernels keep the head
+axis so tensor-parallel rules can split heads):
+
+    embed                      [V, D]
+    layers/input_norm/scale    [L, D]
+    layers/attn/{q,k,v}/kernel [L, D, N|K, Hd]    layers/attn/{q,k,v}/bias [L, N|K, Hd]
+    layers/attn/o/kernel       [L, N, Hd, D]
+    layers/post_attn_norm/scale[L, D]
+    layers/mlp/{gate,up}/kernel[L, D, F]          layers/mlp/down/kernel   [L, F, D]
+    final_norm/scale           [D]
+    lm_head/kernel             [D, V]             (untied models only)
+
+Batches are left padded: `mask [B, T]` marks real tokens and `positions [B, T]` are per-row RoPE
+positions (`positions_from_mask`). The optional KV cache is an explicit pytree argument.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Params = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen2Config:
+    """Architecture plus dtype policy. Frozen, so it can be a static jit argument."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    rope_theta: float = 1e6
+    rms_norm_eps: float = 1e-6
+    tie_embeddings: bool = True
+    max_position_embeddings: int = 32768
+    param_dtype: str = "float32"
+    dtype: str = "float32"  # compute dtype; norms, softmax and logits are always f32
+    remat: bool = False
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"Qwen2Config.{name} must be >= 1, got {getattr(self, name)}.")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"Qwen2Config: hidden_size {self.hidden_size} is not divisible by "
+                             f"num_heads {self.num_heads}; pick a head count that divides it.")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"Qwen2Config: num_heads {self.num_heads} is not divisible by "
+                             f"num_kv_heads {self.num_kv_heads} (grouped-query attention).")
+        if self.head_dim % 2:
+            raise ValueError(f"Qwen2Config: head_dim {self.head_dim} must be even for RoPE.")
+        for name in ("param_dtype", "dtype"):
+            if getattr(self, name) not in ("float32", "bfloat16", "float16"):
+                raise ValueError(f"Qwen2Config.{name} must be float32, bfloat16 or float16, "
+                                 f"got {getattr(self, name)!r}.")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def replace(self, **kw) -> "Qwen2Config":
+        return dataclasses.replace(self, **kw)
+
+
+@flax.struct.dataclass
+class KVCache:
+    """Keys and values of every layer for a fixed number of slots S.
+
+    All rows write the same slot range (left-padded layout), so one scalar `index` says where the
+    next tokens go; `mask` marks slots that hold real tokens.
+    """
+
+    k: jax.Array  # [L, B, S, K, Hd]
+    v: jax.Array  # [L, B, S, K, Hd]
+    mask: jax.Array  # [B, S] bool
+    index: jax.Array  # [] int32, next slot to write
+
+    @property
+    def length(self) -> int:
+        return self.k.shape[2]
+
+
+class Output(NamedTuple):
+    logits: jax.Array  # [B, T, V] float32
+    hidden: jax.Array  # [B, T, D] final-norm hidden states
+    cache: KVCache | None
+
+
+# ----------------------------------------------------------------------------------------------
+# Parameters.
+# ----------------------------------------------------------------------------------------------
+
+def param_shapes(cfg: Qwen2Config) -> Params:
+    """The params pytree as `jax.ShapeDtypeStruct`s (no allocation)."""
+    d, f, n, k, hd = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    L, dt = cfg.num_layers, jnp.dtype(cfg.param_dtype)
+    s = lambda *shape: jax.ShapeDtypeStruct(shape, dt)
+    tree = {
+        "embed": s(cfg.vocab_size, d),
+        "layers": {
+            "input_norm": {"scale": s(L, d)},
+            "attn": {
+                "q": {"kernel": s(L, d, n, hd), "bias": s(L, n, hd)},
+                "k": {"kernel": s(L, d, k, hd), "bias": s(L, k, hd)},
+                "v": {"kernel": s(L, d, k, hd), "bias": s(L, k, hd)},
+                "o": {"kernel": s(L, n, hd, d)},
+            },
+            "post_attn_norm": {"scale": s(L, d)},
+            "mlp": {"gate": {"kernel": s(L, d, f)}, "up": {"kernel": s(L, d, f)},
+                    "down": {"kernel": s(L, f, d)}},
+        },
+        "final_norm": {"scale": s(d)},
+    }
+    if not cfg.tie_embeddings:
+        tree["lm_head"] = {"kernel": s(d, cfg.vocab_size)}
+    return tree
+
+
+def count_params(cfg: Qwen2Config) -> int:
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(param_shapes(cfg)))
+
+
+def init_params(cfg: Qwen2Config, key: jax.Array, std: float = 0.02) -> Params:
+    """Random init as HF does: normal(std) weights, zero biases, unit norm scales."""
+    shapes = param_shapes(cfg)
+    paths, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+    keys = jax.random.split(key, len(paths))
+
+    def one(path, spec, k):
+        name = jax.tree_util.keystr(path)
+        if "scale" in name:
+            return jnp.ones(spec.shape, spec.dtype)
+        if "bias" in name:
+            return jnp.zeros(spec.shape, spec.dtype)
+        return (std * jax.random.normal(k, spec.shape, jnp.float32)).astype(spec.dtype)
+
+    return jax.tree.unflatten(treedef, [one(p, s, k) for (p, s), k in zip(paths, keys)])
+
+
+def init_cache(cfg: Qwen2Config, batch: int, length: int, dtype: Any = None) -> KVCache:
+    """An empty cache with `length` slots (prompt plus new tokens)."""
+    dtype = jnp.dtype(dtype or cfg.dtype)
+    shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
+    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+                   mask=jnp.zeros((batch, length), bool), index=jnp.zeros((), jnp.int32))
+
+
+# ----------------------------------------------------------------------------------------------
+# Building blocks.
+# ----------------------------------------------------------------------------------------------
+
+def positions_from_mask(mask: jax.Array) -> jax.Array:
+    """mask [B, T] -> positions [B, T]: real tokens count 0, 1, ... (left padding gets 0)."""
+    return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """w * x / sqrt(mean(x^2) + eps), computed in f32 (HF casts back before the scale)."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return scale.astype(x.dtype) * y.astype(x.dtype)
+
+
+def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """positions [B, T] -> (cos, sin) [B, T, Hd] in f32 for the split-half rotation."""
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [B, T, N, Hd] rotated by (cos, sin) [B, T, Hd]."""
+    x32 = x.astype(jnp.float32)
+    x1, x2 = jnp.split(x32, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return (x32 * cos[:, :, None] + rotated * sin[:, :, None]).astype(x.dtype)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array) -> jax.Array:
+    """Grouped-query attention. q [B, T, N, Hd], k/v [B, S, K, Hd], allowed [B, T, S] -> [B, T, N, Hd]."""
+    b, t, n, hd = q.shape
+    kv_heads = k.shape[2]
+    q = q.reshape(b, t, kv_heads, n // kv_heads, hd)
+    scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = scores * (hd ** -0.5)
+    scores = jnp.where(allowed[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, v)
+    return out.reshape(b, t, n, hd)
+
+
+def _dense(x: jax.Array, p: Params, spec: str, dtype) -> jax.Array:
+    y = jnp.einsum(spec, x, p["kernel"].astype(dtype))
+    return y + p["bias"].astype(dtype) if "bias" in p else y
+
+
+def decoder_layer(cfg: Qwen2Config, p: Params, x: jax.Array, rope, allowed: jax.Array,
+                  kv: tuple[jax.Array, jax.Array] | None, index: jax.Array):
+    """One pre-norm block. x [B, T, D]; kv: this layer's cache (k, v) [B, S, K, Hd] or None."""
+    dt = jnp.dtype(cfg.dtype)
+    h = rms_norm(x, p["input_norm"]["scale"], cfg.rms_norm_eps)
+    a = p["attn"]
+    q = apply_rope(_dense(h, a["q"], "btd,dnh->btnh", dt), *rope)
+    k = apply_rope(_dense(h, a["k"], "btd,dnh->btnh", dt), *rope)
+    v = _dense(h, a["v"], "btd,dnh->btnh", dt)
+    if kv is not None:
+        start = (0, index, 0, 0)
+        k = jax.lax.dynamic_update_slice(kv[0], k.astype(kv[0].dtype), start)
+        v = jax.lax.dynamic_update_slice(kv[1], v.astype(kv[1].dtype), start)
+        kv = (k, v)
+    o = attention(q, k.astype(dt), v.astype(dt), allowed)
+    x = x + _dense(o, a["o"], "btnh,nhd->btd", dt)
+    h = rms_norm(x, p["post_attn_norm"]["scale"], cfg.rms_norm_eps)
+    m = p["mlp"]
+    gated = jax.nn.silu(_dense(h, m["gate"], "btd,df->btf", dt)) * _dense(h, m["up"], "btd,df->btf", dt)
+    return x + _dense(gated, m["down"], "btf,fd->btd", dt), kv
+
+
+def unembed(cfg: Qwen2Config, params: Params, hidden: jax.Array) -> jax.Array:
+    """hidden [..., D] -> logits [..., V] in f32 (tied: hidden @ embed^T)."""
+    dt = jnp.dtype(cfg.dtype)
+    if cfg.tie_embeddings:
+        return jnp.einsum("...d,vd->...v", hidden.astype(dt), params["embed"].astype(dt),
+                          preferred_element_type=jnp.float32)
+    return jnp.einsum("...d,dv->...v", hidden.astype(dt), params["lm_head"]["kernel"].astype(dt),
+                      preferred_element_type=jnp.float32)
+
+
+# ----------------------------------------------------------------------------------------------
+# The model.
+# ----------------------------------------------------------------------------------------------
+
+def hidden_states(cfg: Qwen2Config, params: Params, tokens: jax.Array, positions: jax.Array,
+                  mask: jax.Array, cache: KVCache | None = None) -> tuple[jax.Array, KVCache | None]:
+    """tokens/positions/mask [B, T] -> final-norm hidden [B, T, D] and the updated cache.
+
+    Without a cache, token t attends to real tokens s <= t. With a cache, the T tokens are
+    written at slots [index, index + T) and attend to every real slot up to their own.
+    """
+    dt = jnp.dtype(cfg.dtype)
+    mask = mask.astype(bool)
+    t = tokens.shape[1]
+    x = params["embed"].astype(dt)[tokens]
+    rope = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
+
+    if cache is None:
+        key_mask, offset, index, kv = mask, 0, jnp.zeros((), jnp.int32), None
+    else:
+        key_mask = jax.lax.dynamic_update_slice(cache.mask, mask, (0, cache.index))
+        offset = index = cache.index
+        kv = (cache.k, cache.v)
+    slots = jnp.arange(key_mask.shape[1])
+    causal = slots[None, :] <= offset + jnp.arange(t)[:, None]  # [T, S]
+    allowed = key_mask[:, None, :] & causal[None]  # [B, T, S]
+
+    def body(x, layer):
+        p, layer_kv = layer
+        return decoder_layer(cfg, p, x, rope, allowed, layer_kv, index)
+
+    if cfg.remat:
+        body = jax.checkpoint(body, prevent_cse=False)
+    x, new_kv = jax.lax.scan(body, x, (params["layers"], kv))
+    x = rms_norm(x, params["final_norm"]["scale"], cfg.rms_norm_eps)
+
+    if cache is not None:
+        cache = KVCache(k=new_kv[0], v=new_kv[1], mask=key_mask, index=cache.index + t)
+    return x, cache
+
+
+def forward(cfg: Qwen2Config, params: Params, tokens: jax.Array, positions: jax.Array | None = None,
+            mask: jax.Array | None = None, cache: KVCache | None = None) -> Output:
+    """Full forward: logits [B, T, V] (f32), hidden [B, T, D], updated cache.
+
+    `mask` defaults to all real tokens and `positions` to `positions_from_mask(mask)`; with a
+    cache, pass the positions that continue each row.
+    """
+    if mask is None:
+        mask = jnp.ones(tokens.shape, bool)
+    if positions is None:
+        positions = positions_from_mask(mask)
+    hidden, cache = hidden_states(cfg, params, tokens, positions, mask, cache)
+    return Output(logits=unembed(cfg, params, hidden), hidden=hidden, cache=cache)

@@ -1,0 +1,100 @@
+"""Our Qwen2 forward vs transformers' PyTorch Qwen2ForCausalLM, and KV-cache consistency."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from joyagents_jax.models import hf_io, qwen2
+
+
+def _left_padded(rng, vocab, lengths, t):
+    tokens = np.zeros((len(lengths), t), np.int32)
+    mask = np.zeros((len(lengths), t), bool)
+    for i, n in enumerate(lengths):
+        tokens[i, t - n:] = rng.integers(0, vocab, n)
+        mask[i, t - n:] = True
+    return tokens, mask
+
+
+def _torch_logits(model, tokens, mask):
+    positions = np.maximum(np.cumsum(mask, -1) - 1, 0)
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor(tokens, dtype=torch.long),
+                    attention_mask=torch.tensor(mask, dtype=torch.long),
+                    position_ids=torch.tensor(positions, dtype=torch.long))
+    return out.logits.numpy()
+
+
+def test_logits_match_transformers_left_padded(hf_model):
+    folder, model, kw = hf_model
+    params, cfg = hf_io.load_params(folder)
+    tokens, mask = _left_padded(np.random.default_rng(0), kw["vocab"], [11, 7, 1, 4], 11)
+    ours = np.asarray(qwen2.forward(cfg, params, jnp.asarray(tokens), mask=jnp.asarray(mask)).logits)
+    ref = _torch_logits(model, tokens, mask)
+    assert ours.shape == ref.shape == (4, 11, kw["vocab"])
+    np.testing.assert_allclose(ours[mask], ref[mask], atol=1e-4, rtol=0)
+    # Each padded row equals the same row run alone, unpadded.
+    for i in range(tokens.shape[0]):
+        alone = tokens[i:i + 1, mask[i]]
+        single = np.asarray(qwen2.forward(cfg, params, jnp.asarray(alone)).logits)[0]
+        np.testing.assert_allclose(ours[i][mask[i]], single, atol=1e-5, rtol=0)
+
+
+def test_hidden_states_match_transformers(hf_model):
+    folder, model, kw = hf_model
+    params, cfg = hf_io.load_params(folder)
+    tokens = np.random.default_rng(1).integers(0, kw["vocab"], (2, 9)).astype(np.int32)
+    ours = np.asarray(qwen2.forward(cfg, params, jnp.asarray(tokens)).hidden)
+    with torch.no_grad():
+        ref = model.model(input_ids=torch.tensor(tokens, dtype=torch.long)).last_hidden_state.numpy()
+    np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_prefill_then_decode_equals_full_forward(remat):
+    cfg = qwen2.Qwen2Config(vocab_size=50, hidden_size=32, intermediate_size=64, num_layers=2,
+                            num_heads=4, num_kv_heads=2, remat=remat)
+    params = qwen2.init_params(cfg, jax.random.key(0))
+    params = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(jax.random.key(1), x.shape), params)
+    tokens, mask = _left_padded(np.random.default_rng(2), 50, [9, 5, 2], 9)
+    full = qwen2.forward(cfg, params, jnp.asarray(tokens), mask=jnp.asarray(mask)).logits
+
+    prefill = 4  # first 4 slots in one call, the rest one token at a time
+    cache = qwen2.init_cache(cfg, batch=3, length=12)
+    positions = qwen2.positions_from_mask(jnp.asarray(mask))
+    step = jax.jit(lambda p, tok, pos, m, c: qwen2.forward(cfg, p, tok, pos, m, c), donate_argnums=4)
+    out = step(params, tokens[:, :prefill], positions[:, :prefill], mask[:, :prefill], cache)
+    pieces, cache = [out.logits], out.cache
+    for t in range(prefill, 9):
+        out = step(params, tokens[:, t:t + 1], positions[:, t:t + 1], mask[:, t:t + 1], cache)
+        pieces.append(out.logits)
+        cache = out.cache
+    assert int(cache.index) == 9
+    incremental = jnp.concatenate(pieces, axis=1)
+    np.testing.assert_allclose(np.asarray(incremental)[mask], np.asarray(full)[mask], atol=1e-5, rtol=0)
+
+
+def test_bf16_compute_close_to_f32():
+    cfg = qwen2.Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2,
+                            num_heads=4, num_kv_heads=2)
+    params = qwen2.init_params(cfg, jax.random.key(0), std=0.1)
+    tokens = jax.random.randint(jax.random.key(1), (2, 8), 0, 64)
+    f32 = qwen2.forward(cfg, params, tokens).logits
+    bf16 = qwen2.forward(cfg.replace(dtype="bfloat16"), params, tokens).logits
+    assert bf16.dtype == jnp.float32  # logits stay f32 whatever the compute dtype
+    np.testing.assert_allclose(np.asarray(bf16), np.asarray(f32), atol=0.05)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(hidden_size=30, num_heads=4), "not divisible by num_heads"),
+    (dict(num_heads=4, num_kv_heads=3), "not divisible by num_kv_heads"),
+    (dict(dtype="float64"), "must be float32, bfloat16"),
+    (dict(num_layers=0), "num_layers must be >= 1"),
+])
+def test_config_errors(bad, match):
+    base = dict(vocab_size=10, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
+                num_kv_heads=2)
+    with pytest.raises(ValueError, match=match):
+        qwen2.Qwen2Config(**{**base, **bad})
