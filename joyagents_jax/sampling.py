@@ -1,0 +1,338 @@
+"""Jitted generation: one prefill per prompt, then a KV-cache decode loop over G samples each.
+
+`generate_arrays` is the pure, jitted core: prefill the [B, P] prompts once, broadcast each
+prompt's cache to its G samples (copied, never recomputed), then decode all B*G rows in one
+`lax.while_loop` that exits as soon as every row has stopped. It returns the chosen tokens with
+their log-probs under the sampling distribution (temperature, top-k, top-p) and under the raw
+policy (what GRPO needs).
+
+`Sampler` is the host wrapper: it left-pads prompts into power-of-two buckets (bounded
+recompiles, counted in `Sampler.compiles`), validates input, applies stop strings that token
+matching cannot see, and picks or vmaps agents of a stacked agent group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from joyagents_jax.models import qwen2
+from joyagents_jax.models.qwen2 import Params, Qwen2Config
+
+NO_TOKEN = -1  # padding in stop tables; never a real token id
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """How the next token is drawn. Frozen: a static argument of the jitted core."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1.0: off
+    greedy: bool = False
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}.")
+        if not self.greedy and self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0 (use greedy=True for argmax), got "
+                             f"{self.temperature}.")
+        if self.top_k < 0 or not 0 < self.top_p <= 1:
+            raise ValueError(f"need top_k >= 0 and 0 < top_p <= 1, got top_k={self.top_k}, "
+                             f"top_p={self.top_p}.")
+
+
+class Samples(NamedTuple):
+    """Per prompt b and sample g; positions past `lengths` hold `pad_id` and log-prob 0."""
+
+    tokens: jax.Array  # [B, G, N] int32
+    lengths: jax.Array  # [B, G] int32, generated tokens including the stop token
+    logp_sample: jax.Array  # [B, G, N] f32, under the sampling distribution
+    logp_policy: jax.Array  # [B, G, N] f32, under the raw policy (temperature 1, no filter)
+    stopped: jax.Array  # [B, G] bool, ended by a stop token or stop sequence
+
+
+# ----------------------------------------------------------------------------------------------
+# Token choice.
+# ----------------------------------------------------------------------------------------------
+
+def filter_logits(logits: jax.Array, scfg: SamplingConfig) -> jax.Array:
+    """logits [R, V] -> the sampling distribution's logits: temperature, then top-k, then top-p."""
+    x = logits / scfg.temperature
+    neg = jnp.finfo(x.dtype).min
+    if scfg.top_k:
+        kth = jax.lax.top_k(x, scfg.top_k)[0][:, -1:]
+        x = jnp.where(x < kth, neg, x)
+    if scfg.top_p < 1.0:
+        sorted_x = jnp.sort(x, axis=-1)[:, ::-1]
+        probs = jax.nn.softmax(sorted_x, axis=-1)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs  # keep a token while the mass before it < p
+        cutoff = jnp.min(jnp.where(mass_before < scfg.top_p, sorted_x, jnp.inf), axis=-1, keepdims=True)
+        x = jnp.where(x < cutoff, neg, x)
+    return x
+
+
+def choose_tokens(logits: jax.Array, key: jax.Array, scfg: SamplingConfig):
+    """logits [R, V] f32 -> (tokens [R], logp_sample [R], logp_policy [R])."""
+    policy = jax.nn.log_softmax(logits, axis=-1)
+    if scfg.greedy:
+        tokens = jnp.argmax(logits, axis=-1)
+        logp_sample = jnp.zeros(tokens.shape, jnp.float32)  # a point mass
+    else:
+        filtered = jax.nn.log_softmax(filter_logits(logits, scfg), axis=-1)
+        tokens = jax.random.categorical(key, filtered, axis=-1)
+        logp_sample = jnp.take_along_axis(filtered, tokens[:, None], axis=-1)[:, 0]
+    logp_policy = jnp.take_along_axis(policy, tokens[:, None], axis=-1)[:, 0]
+    return tokens.astype(jnp.int32), logp_sample, logp_policy
+
+
+def _ends_with(history: jax.Array, seqs: jax.Array) -> jax.Array:
+    """history [R, W] (latest last), seqs [R, M, W] right-aligned, NO_TOKEN-padded -> [R] bool."""
+    care = seqs != NO_TOKEN
+    match = jnp.all((history[:, None, :] == seqs) | ~care, axis=-1) & jnp.any(care, axis=-1)
+    return jnp.any(match, axis=-1)
+
+
+# ----------------------------------------------------------------------------------------------
+# The jitted core.
+# ----------------------------------------------------------------------------------------------
+
+def generate_arrays(cfg: Qwen2Config, scfg: SamplingConfig, group_size: int, params: Params,
+                    tokens: jax.Array, mask: jax.Array, stop_ids: jax.Array, stop_seqs: jax.Array,
+                    key: jax.Array, pad_id: int = 0, vocab_limit: int | None = None) -> Samples:
+    """Pure generation for left-padded prompts.
+
+    tokens/mask [B, P]; stop_ids [B, S] and stop_seqs [B, M, W] (NO_TOKEN padded, stop_seqs
+    right-aligned) end a row when its newest token is in stop_ids or its newest tokens spell
+    one of stop_seqs. Ids >= vocab_limit (embedding rows the tokenizer does not use, e.g.
+    Qwen2.5's 151936-row embedding over 151665 tokens) are never drawn. Returns `Samples` with
+    N = scfg.max_new_tokens.
+    """
+    b, p = tokens.shape
+    g, n = group_size, scfg.max_new_tokens
+    rows = b * g
+    window = stop_seqs.shape[-1]
+
+    # Prefill once per prompt; only the last position's logits are needed.
+    positions = qwen2.positions_from_mask(mask)
+    cache = qwen2.init_cache(cfg, b, p + n)
+    hidden, cache = qwen2.hidden_states(cfg, params, tokens, positions, mask, cache)
+    logits = qwen2.unembed(cfg, params, hidden[:, -1])  # [B, V]
+    limit = lambda x: x if vocab_limit is None else x.at[:, vocab_limit:].set(jnp.finfo(x.dtype).min)
+
+    # Share the prefill with the group: row r = prompt r // G, sample r % G.
+    repeat = lambda x, axis: jnp.repeat(x, g, axis=axis)
+    cache = qwen2.KVCache(k=repeat(cache.k, 1), v=repeat(cache.v, 1), mask=repeat(cache.mask, 0),
+                          index=cache.index)
+    logits, stop_ids, stop_seqs = repeat(logits, 0), repeat(stop_ids, 0), repeat(stop_seqs, 0)
+    next_pos = repeat(positions[:, -1] + 1, 0)
+
+    def cond(state):
+        step, done = state[0], state[5]
+        return (step < n) & ~jnp.all(done)
+
+    def body(state):
+        step, out, lp_s, lp_p, history, done, lengths, cache, logits, pos, key = state
+        key, sub = jax.random.split(key)
+        tok, ls, lpol = choose_tokens(limit(logits), sub, scfg)
+        live = ~done
+        tok = jnp.where(live, tok, pad_id)
+        out = out.at[:, step].set(tok)
+        lp_s = lp_s.at[:, step].set(jnp.where(live, ls, 0.0))
+        lp_p = lp_p.at[:, step].set(jnp.where(live, lpol, 0.0))
+        history = jnp.concatenate([history[:, 1:], tok[:, None]], axis=1)
+        hit = live & (jnp.any(tok[:, None] == stop_ids, axis=-1) | _ends_with(history, stop_seqs))
+        lengths = jnp.where(hit, step + 1, lengths)
+        hidden, cache = qwen2.hidden_states(cfg, params, tok[:, None], pos[:, None], live[:, None],
+                                            cache)
+        logits = qwen2.unembed(cfg, params, hidden[:, 0])
+        return step + 1, out, lp_s, lp_p, history, done | hit, lengths, cache, logits, pos + 1, key
+
+    zeros = jnp.zeros((rows, n), jnp.float32)
+    state = (jnp.zeros((), jnp.int32), jnp.full((rows, n), pad_id, jnp.int32), zeros, zeros,
+             jnp.full((rows, window), NO_TOKEN, jnp.int32), jnp.zeros((rows,), bool),
+             jnp.full((rows,), n, jnp.int32), cache, logits, next_pos, key)
+    _, out, lp_s, lp_p, _, done, lengths, _, _, _, _ = jax.lax.while_loop(cond, body, state)
+
+    shape = lambda x: x.reshape((b, g) + x.shape[1:])
+    return Samples(tokens=shape(out), lengths=shape(lengths), logp_sample=shape(lp_s),
+                   logp_policy=shape(lp_p), stopped=shape(done))
+
+
+# ----------------------------------------------------------------------------------------------
+# Host wrapper: buckets, validation, stop strings, agents.
+# ----------------------------------------------------------------------------------------------
+
+def bucket(n: int, minimum: int = 1) -> int:
+    """The power of two >= max(n, minimum): bounds the number of compiled shapes."""
+    return max(minimum, 1 << max(0, int(n) - 1).bit_length())
+
+
+class Sampler:
+    """Generates for one agent's params or for every agent of a stacked group.
+
+    Holds only static settings and compiled functions; params and PRNG keys are passed per call.
+    `compiles` counts traces of the jitted core (one per new bucket shape or sampling config).
+    """
+
+    def __init__(self, cfg: Qwen2Config, *, pad_id: int, tokenizer=None,
+                 max_cache_length: int | None = None, min_prompt_bucket: int = 16):
+        """tokenizer: needed for stop strings; its vocab_size also bounds the drawn ids."""
+        self.cfg, self.pad_id, self.tokenizer = cfg, pad_id, tokenizer
+        self.max_cache_length = max_cache_length or cfg.max_position_embeddings
+        self.min_prompt_bucket = min_prompt_bucket
+        vocab_limit = getattr(tokenizer, "vocab_size", None)
+        if vocab_limit is not None and vocab_limit > cfg.vocab_size:
+            raise ValueError(f"Tokenizer has {vocab_limit} tokens but the model only "
+                             f"{cfg.vocab_size}: the tokenizer does not belong to this model.")
+        vocab_limit = None if vocab_limit == cfg.vocab_size else vocab_limit
+        self.compiles = 0
+        self.prefill_shapes: list[tuple[int, int]] = []  # [B, P] of each traced prefill
+
+        def core(scfg, group_size, params, tokens, mask, stop_ids, stop_seqs, key):
+            self.compiles += 1
+            self.prefill_shapes.append(tuple(tokens.shape[-2:]))
+            return generate_arrays(cfg, scfg, group_size, params, tokens, mask, stop_ids,
+                                   stop_seqs, key, pad_id, vocab_limit)
+
+        self._one = jax.jit(core, static_argnums=(0, 1))
+        self._per_agent = jax.jit(
+            lambda scfg, g, *args: jax.vmap(lambda *a: core(scfg, g, *a))(*args),
+            static_argnums=(0, 1))
+
+    def generate(self, params: Params, prompts: Sequence[Sequence[int]], *, key: jax.Array,
+                 scfg: SamplingConfig, group_size: int = 1, stop_ids=(), stop_strings=(),
+                 agent: int | None = None) -> Samples:
+        """G samples for each prompt (token id lists); `agent` picks one agent of a stacked group.
+
+        stop_ids: ids shared by all prompts, or one list per prompt. stop_strings: strings that
+        end a row (needs a tokenizer); returned as numpy `Samples` of B real prompts.
+        """
+        if agent is not None:
+            params = jax.tree.map(lambda x: x[agent], params)
+        arrays = self._prepare([prompts], scfg, group_size, stop_ids, stop_strings)
+        out = self._one(scfg, group_size, params, *[a[0] for a in arrays], key)
+        return self._finish(out, len(prompts), stop_strings)
+
+    def generate_per_agent(self, params: Params, prompts: Sequence[Sequence[Sequence[int]]], *,
+                           key: jax.Array, scfg: SamplingConfig, group_size: int = 1,
+                           stop_ids=(), stop_strings=()) -> list[Samples]:
+        """Each agent a of a stacked group [A, ...] samples for its own prompt list prompts[a].
+
+        All agents run in one call (vmap over the agent axis); stop_ids are shared.
+        """
+        num_agents = jax.tree.leaves(params)[0].shape[0]
+        if len(prompts) != num_agents:
+            raise ValueError(f"generate_per_agent got {len(prompts)} prompt lists for "
+                             f"{num_agents} stacked agents; pass one list per agent.")
+        arrays = self._prepare(prompts, scfg, group_size, stop_ids, stop_strings)
+        keys = jax.random.split(key, num_agents)
+        out = self._per_agent(scfg, group_size, params, *arrays, keys)
+        return [self._finish(jax.tree.map(lambda x: x[a], out), len(p), stop_strings)
+                for a, p in enumerate(prompts)]
+
+    # -- input -----------------------------------------------------------------------------------
+
+    def _prepare(self, prompt_lists, scfg, group_size, stop_ids, stop_strings):
+        """Validated, bucketed numpy arrays with a leading list axis: tokens, mask, stops."""
+        if group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {group_size}.")
+        lengths = []
+        for prompts in prompt_lists:
+            if len(prompts) == 0:
+                raise ValueError("No prompts given: pass at least one token list.")
+            for i, p in enumerate(prompts):
+                if len(p) == 0:
+                    raise ValueError(f"Prompt {i} is empty: every prompt needs at least one "
+                                     f"token (e.g. a BOS or chat-template header).")
+                self._check_ids(p, f"prompt {i}")
+                lengths.append(len(p))
+        p_len = bucket(max(lengths), self.min_prompt_bucket)
+        if max(lengths) + scfg.max_new_tokens > self.max_cache_length:
+            raise ValueError(f"Prompt of {max(lengths)} tokens + max_new_tokens "
+                             f"{scfg.max_new_tokens} exceeds the cache length "
+                             f"{self.max_cache_length}; shorten the prompt or lower max_new_tokens.")
+        p_len = min(p_len, self.max_cache_length - scfg.max_new_tokens)
+        b = bucket(max(len(p) for p in prompt_lists))
+
+        stop_rows = self._stop_ids(stop_ids, prompt_lists)
+        seqs = self._stop_seqs(stop_strings)
+        n_lists = len(prompt_lists)
+        tokens = np.full((n_lists, b, p_len), self.pad_id, np.int32)
+        mask = np.zeros((n_lists, b, p_len), bool)
+        width = max([len(r) for rows in stop_rows for r in rows] + [1])
+        stops = np.full((n_lists, b, width), NO_TOKEN, np.int32)
+        for a, prompts in enumerate(prompt_lists):
+            mask[a, :, -1] = True  # padding rows hold one pad token: finite, then discarded
+            for i, p in enumerate(prompts):
+                tokens[a, i, p_len - len(p):] = p
+                mask[a, i, p_len - len(p):] = True
+                stops[a, i, :len(stop_rows[a][i])] = stop_rows[a][i]
+        stop_seqs = np.broadcast_to(seqs, (n_lists, b) + seqs.shape).copy()
+        return tokens, mask, stops, stop_seqs
+
+    def _check_ids(self, ids, what):
+        bad = [t for t in ids if not 0 <= int(t) < self.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"{what} has token ids outside [0, {self.cfg.vocab_size}): "
+                             f"{bad[:5]}; is the tokenizer the model's?")
+
+    def _stop_ids(self, stop_ids, prompt_lists):
+        """Per list, per prompt: a list of stop ids (shared ids are repeated)."""
+        per_prompt = len(stop_ids) > 0 and all(isinstance(s, (list, tuple)) for s in stop_ids)
+        out = []
+        for prompts in prompt_lists:
+            if per_prompt and len(stop_ids) != len(prompts):
+                raise ValueError(f"Per-prompt stop_ids has {len(stop_ids)} lists for "
+                                 f"{len(prompts)} prompts.")
+            rows = [list(stop_ids[i]) for i in range(len(prompts))] if per_prompt else \
+                [list(stop_ids)] * len(prompts)
+            for r in rows:
+                bad = [t for t in r if not 0 <= int(t) < self.cfg.vocab_size]
+                if bad:
+                    raise ValueError(f"Unknown stop token id(s) {bad}: the vocabulary has ids "
+                                     f"0..{self.cfg.vocab_size - 1}.")
+            out.append(rows)
+        return out
+
+    def _stop_seqs(self, stop_strings) -> np.ndarray:
+        """[M, W] right-aligned token sequences of the stop strings (NO_TOKEN padded)."""
+        if stop_strings and self.tokenizer is None:
+            raise ValueError("stop_strings need a tokenizer: pass Sampler(..., tokenizer=...).")
+        seqs = [self.tokenizer.encode(s) for s in stop_strings]
+        if any(len(s) == 0 for s in seqs):
+            raise ValueError(f"A stop string encodes to no tokens: {list(stop_strings)}.")
+        width = max([len(s) for s in seqs] + [1])
+        table = np.full((max(len(seqs), 1), width), NO_TOKEN, np.int32)
+        for i, s in enumerate(seqs):
+            table[i, width - len(s):] = s
+        return table
+
+    # -- output ----------------------------------------------------------------------------------
+
+    def _finish(self, out: Samples, num_prompts: int, stop_strings) -> Samples:
+        """Drops padding rows; cuts at stop strings that the token tail did not spell exactly."""
+        out = Samples(*(np.array(x[:num_prompts]) for x in out))
+        if stop_strings:
+            for b, g in np.ndindex(out.lengths.shape):
+                self._cut_at_stop_string(out, b, g, stop_strings)
+        return out
+
+    def _cut_at_stop_string(self, out: Samples, b: int, g: int, stop_strings) -> None:
+        n = int(out.lengths[b, g])
+        ids = out.tokens[b, g, :n].tolist()
+        if not any(s in self.tokenizer.decode(ids) for s in stop_strings):
+            return
+        k = next(k for k in range(1, n + 1)
+                 if any(s in self.tokenizer.decode(ids[:k]) for s in stop_strings))
+        if k < n or not out.stopped[b, g]:
+            out.tokens[b, g, k:] = self.pad_id
+            out.logp_sample[b, g, k:] = 0.0
+            out.logp_policy[b, g, k:] = 0.0
+            out.lengths[b, g] = k
+            out.stopped[b, g] = True
