@@ -120,8 +120,7 @@ def generate_arrays(cfg: Qwen2Config, scfg: SamplingConfig, group_size: int, par
 
     # Prefill once per prompt; only the last position's logits are needed.
     positions = qwen2.positions_from_mask(mask)
-    cache = qwen2.init_cache(cfg, b, p + n)
-    hidden, cache = qwen2.hidden_states(cfg, params, tokens, positions, mask, cache)
+    hidden, cache = qwen2.prefill(cfg, params, tokens, positions, mask, p + n)
     logits = qwen2.unembed(cfg, params, hidden[:, -1])  # [B, V]
     limit = lambda x: x if vocab_limit is None else x.at[:, vocab_limit:].set(jnp.finfo(x.dtype).min)
 

@@ -1,0 +1,43 @@
+"""This machine's own limits, measured with JAX: matmul peak (FLOP/s) and memory bandwidth (B/s).
+
+They are the denominators of every efficiency ratio in `benchmarks/` (no datasheet numbers).
+Run alone: `python benchmarks/hardware.py`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+
+
+def best_time(fn, *args, repeats: int = 5) -> float:
+    """Best wall time of `fn(*args)` over `repeats` runs, after one warm-up (compile) call."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def matmul_peak(dtype=jnp.float32, n: int = 2048) -> float:
+    """FLOP/s of a square [n, n] @ [n, n] matmul: the best this backend does on dense math."""
+    a = jax.random.normal(jax.random.key(0), (n, n), dtype)
+    b = jax.random.normal(jax.random.key(1), (n, n), dtype)
+    return 2 * n ** 3 / best_time(jax.jit(jnp.matmul), a, b)
+
+
+def memory_bandwidth(mbytes: int = 512) -> float:
+    """Bytes/s of a streaming reduction over a buffer far larger than the caches."""
+    x = jnp.ones((mbytes << 20) // 4, jnp.float32)
+    return x.nbytes / best_time(jax.jit(jnp.sum), x)
+
+
+if __name__ == "__main__":
+    print(f"devices: {jax.devices()}")
+    print(f"matmul peak f32:  {matmul_peak(jnp.float32) / 1e9:8.1f} GFLOP/s")
+    print(f"matmul peak bf16: {matmul_peak(jnp.bfloat16) / 1e9:8.1f} GFLOP/s")
+    print(f"memory bandwidth: {memory_bandwidth() / 1e9:8.1f} GB/s")

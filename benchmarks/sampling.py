@@ -1,0 +1,120 @@
+"""Sampler speed: our tokens/s vs transformers `generate` (PyTorch CPU) on the same weights and
+prompts, and our fraction of this machine's roofline.
+
+Setting (the sampler issue's): 8 prompts x G = 8 samples, 128 new tokens, temperature 1, no stop
+token, so every row generates all 128 tokens in both systems. HF gets the group through
+`num_return_sequences` (its standard GRPO path: one prefill per copy); we share one prefill per
+prompt. Roofline: model FLOPs per generated token (2 x matmul params + attention over the cache)
+times tokens/s, against min(measured matmul peak, the rate that memory bandwidth allows when
+every decode step streams the weights and the KV cache once).
+
+    python benchmarks/sampling.py [--sizes tiny,small-30m] [--prompt-len 64] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import hardware  # noqa: E402
+
+from joyagents_jax.models import hf_io, presets, qwen2  # noqa: E402
+from joyagents_jax.sampling import Sampler, SamplingConfig  # noqa: E402
+
+PROMPTS, GROUP, NEW = 8, 8, 128
+
+
+def flops_per_token(cfg: qwen2.Qwen2Config, context: float) -> float:
+    """Forward FLOPs of one decoded token at mean context length `context`."""
+    d, f, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
+    kv = cfg.num_kv_heads * cfg.head_dim
+    matmul_params = L * (2 * d * d + 2 * d * kv + 3 * d * f) + d * cfg.vocab_size
+    attention = L * 4 * context * d  # q.k and p.v over the cache
+    return 2 * matmul_params + attention
+
+
+def bytes_per_step(cfg: qwen2.Qwen2Config, rows: int, cache_len: int, dtype_bytes: int = 4) -> float:
+    """Bytes one decode step must stream: every weight once plus every row's KV cache."""
+    kv = 2 * cfg.num_layers * rows * cache_len * cfg.num_kv_heads * cfg.head_dim
+    return (qwen2.count_params(cfg) + kv) * dtype_bytes
+
+
+def ours(cfg, params, prompts, repeats):
+    sampler = Sampler(cfg, pad_id=0)
+    scfg = SamplingConfig(NEW, temperature=1.0)
+    run = lambda seed: sampler.generate(params, prompts, key=jax.random.key(seed), scfg=scfg,
+                                        group_size=GROUP)
+    run(0)  # compile
+    times = []
+    for seed in range(1, repeats + 1):
+        start = time.perf_counter()
+        out = run(seed)
+        times.append(time.perf_counter() - start)
+    assert out.lengths.min() == NEW
+    return min(times)
+
+
+def hf(folder, prompts, repeats):
+    import torch
+    import transformers
+
+    torch.set_num_threads(os.cpu_count())
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    ids = torch.tensor(prompts)
+    times = []
+    for seed in range(repeats + 1):  # the first run warms up
+        torch.manual_seed(seed)
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                                 temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=NEW,
+                                 min_new_tokens=NEW, num_return_sequences=GROUP, pad_token_id=0,
+                                 eos_token_id=None)
+        times.append(time.perf_counter() - start)
+    assert out.shape == (PROMPTS * GROUP, len(prompts[0]) + NEW)
+    return min(times[1:])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="tiny,small-30m")
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+
+    peak = hardware.matmul_peak(jnp.float32)
+    bandwidth = hardware.memory_bandwidth()
+    print(f"# devices {jax.devices()}; f32 matmul peak {peak / 1e9:.1f} GFLOP/s; "
+          f"bandwidth {bandwidth / 1e9:.1f} GB/s")
+    print("| model | params | ours tok/s | HF tok/s | ours / HF | GFLOP/s | roofline GFLOP/s "
+          "| % of roofline |")
+    print("|---|---|---|---|---|---|---|---|")
+    rng = np.random.default_rng(0)
+    tokens = GROUP * PROMPTS * NEW
+    for size in args.sizes.split(","):
+        cfg = presets.get_preset(size)
+        params = qwen2.init_params(cfg, jax.random.key(0))
+        prompts = rng.integers(1, cfg.vocab_size, (PROMPTS, args.prompt_len)).tolist()
+        with tempfile.TemporaryDirectory() as folder:
+            hf_io.save_params(folder, cfg, params)
+            t_hf = hf(folder, prompts, args.repeats)
+        t_ours = ours(cfg, params, prompts, args.repeats)
+        flops = flops_per_token(cfg, args.prompt_len + NEW / 2) * tokens / t_ours
+        cache_len = 16 * -(-args.prompt_len // 16) + NEW
+        bw_bound = bandwidth / bytes_per_step(cfg, GROUP * PROMPTS, cache_len) * GROUP * PROMPTS
+        roof = min(peak, bw_bound * flops_per_token(cfg, args.prompt_len + NEW / 2))
+        print(f"| {size} | {qwen2.count_params(cfg) / 1e6:.2f}M | {tokens / t_ours:,.0f} | "
+              f"{tokens / t_hf:,.0f} | {t_hf / t_ours:.1f}x | {flops / 1e9:.1f} | "
+              f"{roof / 1e9:.1f} | {100 * flops / roof:.0f}% |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
