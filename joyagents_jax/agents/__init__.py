@@ -1,0 +1,1 @@
+"""The multi-agent system: the text protocol, safe tools, roles and episodes."""
