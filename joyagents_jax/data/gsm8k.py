@@ -1,0 +1,107 @@
+"""GSM8K from local files: the tfds catalog builder, reading jsonl files the user supplies.
+
+The catalog's `gsm8k` builder downloads from GitHub; this subclass (`gsm8k_local`) keeps its
+features and reads `train.jsonl` and `test.jsonl` (plus the optional `*_socratic.jsonl`) from a
+manual directory instead, so no network is needed. Each line is `{"question", "answer"}` with the
+answer's last line `#### N`. `extract_answer` and `is_correct` are the numeric answer checker.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from typing import Any
+
+import tensorflow_datasets as tfds
+from etils import epath
+from tensorflow_datasets.text.gsm8k import gsm8k
+
+REQUIRED_FILES = ("train.jsonl", "test.jsonl")
+OPTIONAL_FILES = ("train_socratic.jsonl", "test_socratic.jsonl")
+_SOURCE = "https://github.com/openai/grade-school-math (grade_school_math/data/)"
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+
+
+def extract_answer(text: str) -> str | None:
+    """The final number of a solution: after the last '####', else the last number in `text`."""
+    tail = text.rsplit("####", 1)[1] if "####" in text else text
+    numbers = _NUMBER.findall(tail)
+    if not numbers:
+        return None
+    return (numbers[0] if "####" in text else numbers[-1]).replace(",", "")
+
+
+def parse_number(text: str) -> float | None:
+    """`text` as a number, ignoring thousands separators, '$' and a trailing '.'; else None."""
+    cleaned = text.strip().replace(",", "").lstrip("$").rstrip(".")
+    try:
+        value = float(cleaned)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def is_correct(prediction: str, reference: str, tolerance: float = 1e-6) -> bool:
+    """Whether the final number of `prediction` equals the reference answer ('#### N' or N)."""
+    pred, ref = extract_answer(prediction), extract_answer(reference)
+    if pred is None or ref is None:
+        return False
+    a, b = parse_number(pred), parse_number(ref)
+    return a is not None and b is not None and abs(a - b) <= tolerance * max(1.0, abs(b))
+
+
+def local_files(manual_dir: str | os.PathLike) -> dict[str, epath.Path]:
+    """Split name -> jsonl path in `manual_dir`; FileNotFoundError names missing required files."""
+    root = epath.Path(manual_dir)
+    missing = [name for name in REQUIRED_FILES if not (root / name).exists()]
+    if missing:
+        raise FileNotFoundError(
+            f"GSM8K files missing from {root}: {', '.join(missing)}. Put "
+            f"{', '.join(REQUIRED_FILES)} (optionally {', '.join(OPTIONAL_FILES)}) there, "
+            f"from {_SOURCE}.")
+    names = REQUIRED_FILES + tuple(n for n in OPTIONAL_FILES if (root / n).exists())
+    return {name.removesuffix(".jsonl"): root / name for name in names}
+
+
+class Gsm8kLocal(gsm8k.Gsm8k):
+    """The catalog GSM8K builder, reading the user's jsonl files from the manual directory."""
+
+    name = "gsm8k_local"
+    MANUAL_DOWNLOAD_INSTRUCTIONS = (
+        f"Download {', '.join(REQUIRED_FILES + OPTIONAL_FILES)} from {_SOURCE} into the manual "
+        "directory (`manual_dir` of `load_gsm8k`, or tfds' DownloadConfig.manual_dir).")
+
+    def _split_generators(self, dl_manager: tfds.download.DownloadManager):
+        return {split: self._generate_examples(path)
+                for split, path in local_files(dl_manager.manual_dir).items()}
+
+    def _generate_examples(self, path: epath.PathLike):
+        with epath.Path(path).open() as f:
+            for i, line in enumerate(f):
+                if line.strip():
+                    yield i, _example(line, f"{path}:{i + 1}")
+
+
+def _example(line: str, where: str) -> dict[str, str]:
+    """The catalog's features of one jsonl line, with a clear error for a malformed one."""
+    try:
+        row = json.loads(line)
+        annotation, short_answer = row["answer"].rsplit("####", 1)
+        return {"question": row["question"], "answer": row["answer"],
+                "annotation": annotation.strip(), "short_answer": short_answer.strip()}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{where}: expected JSON with 'question' and an 'answer' ending in "
+                         f"'#### N' ({e})") from None
+
+
+def load_gsm8k(manual_dir: str | os.PathLike,
+               data_dir: str | os.PathLike | None = None) -> dict[str, Any]:
+    """Random-access data sources of the local GSM8K splits; prepares them on first use."""
+    builder = Gsm8kLocal(data_dir=data_dir, file_format="array_record")
+    if not builder.is_prepared():
+        local_files(manual_dir)  # fail before tfds does, naming the expected files
+    builder.download_and_prepare(
+        download_config=tfds.download.DownloadConfig(manual_dir=os.fspath(manual_dir)))
+    return builder.as_data_source()
