@@ -209,21 +209,22 @@ class Sampler:
                  agent: int | None = None) -> Samples:
         """G samples for each prompt (token id lists); `agent` picks one agent of a stacked group.
 
-        stop_ids: ids shared by all prompts, or one list per prompt. stop_strings: strings that
-        end a row (needs a tokenizer); returned as numpy `Samples` of B real prompts.
+        stop_ids / stop_strings: shared by all prompts, or one list per prompt. Stop strings
+        need a tokenizer. Returns numpy `Samples` of the B real prompts.
         """
         if agent is not None:
             params = jax.tree.map(lambda x: x[agent], params)
         arrays = self._prepare([prompts], scfg, group_size, stop_ids, stop_strings)
         out = self._one(scfg, group_size, params, *[a[0] for a in arrays], key)
-        return self._finish(out, len(prompts), stop_strings)
+        return self._finish(out, self._per_prompt(stop_strings, [prompts])[0])
 
     def generate_per_agent(self, params: Params, prompts: Sequence[Sequence[Sequence[int]]], *,
                            key: jax.Array, scfg: SamplingConfig, group_size: int = 1,
                            stop_ids=(), stop_strings=()) -> list[Samples]:
         """Each agent a of a stacked group [A, ...] samples for its own prompt list prompts[a].
 
-        All agents run in one call (vmap over the agent axis); stop_ids are shared.
+        All agents run in one call (vmap over the agent axis). stop_ids / stop_strings: shared,
+        or per agent a list with one entry per prompt.
         """
         num_agents = jax.tree.leaves(params)[0].shape[0]
         if len(prompts) != num_agents:
@@ -232,8 +233,9 @@ class Sampler:
         arrays = self._prepare(prompts, scfg, group_size, stop_ids, stop_strings)
         keys = jax.random.split(key, num_agents)
         out = self._per_agent(scfg, group_size, params, *arrays, keys)
-        return [self._finish(jax.tree.map(lambda x: x[a], out), len(p), stop_strings)
-                for a, p in enumerate(prompts)]
+        strings = self._per_prompt(stop_strings, prompts)
+        return [self._finish(jax.tree.map(lambda x: x[a], out), strings[a])
+                for a in range(num_agents)]
 
     # -- input -----------------------------------------------------------------------------------
 
@@ -260,7 +262,10 @@ class Sampler:
         b = bucket(max(len(p) for p in prompt_lists))
 
         stop_rows = self._stop_ids(stop_ids, prompt_lists)
-        seqs = self._stop_seqs(stop_strings)
+        strings = self._per_prompt(stop_strings, prompt_lists)
+        seqs = {s: self._encode_stop(s) for rows in strings for row in rows for s in row}
+        max_m = max([len(row) for rows in strings for row in rows] + [1])
+        max_w = max([len(t) for t in seqs.values()] + [1])
         n_lists = len(prompt_lists)
         tokens = np.full((n_lists, b, p_len), self.pad_id, np.int32)
         mask = np.zeros((n_lists, b, p_len), bool)
@@ -272,7 +277,11 @@ class Sampler:
                 tokens[a, i, p_len - len(p):] = p
                 mask[a, i, p_len - len(p):] = True
                 stops[a, i, :len(stop_rows[a][i])] = stop_rows[a][i]
-        stop_seqs = np.broadcast_to(seqs, (n_lists, b) + seqs.shape).copy()
+        stop_seqs = np.full((n_lists, b, max_m, max_w), NO_TOKEN, np.int32)
+        for a, rows in enumerate(strings):
+            for i, row in enumerate(rows):  # right-aligned token sequences
+                for m, s in enumerate(row):
+                    stop_seqs[a, i, m, max_w - len(seqs[s]):] = seqs[s]
         return tokens, mask, stops, stop_seqs
 
     def _check_ids(self, ids, what):
@@ -281,45 +290,45 @@ class Sampler:
             raise ValueError(f"{what} has token ids outside [0, {self.cfg.vocab_size}): "
                              f"{bad[:5]}; is the tokenizer the model's?")
 
-    def _stop_ids(self, stop_ids, prompt_lists):
-        """Per list, per prompt: a list of stop ids (shared ids are repeated)."""
-        per_prompt = len(stop_ids) > 0 and all(isinstance(s, (list, tuple)) for s in stop_ids)
-        out = []
-        for prompts in prompt_lists:
-            if per_prompt and len(stop_ids) != len(prompts):
-                raise ValueError(f"Per-prompt stop_ids has {len(stop_ids)} lists for "
-                                 f"{len(prompts)} prompts.")
-            rows = [list(stop_ids[i]) for i in range(len(prompts))] if per_prompt else \
-                [list(stop_ids)] * len(prompts)
-            for r in rows:
-                bad = [t for t in r if not 0 <= int(t) < self.cfg.vocab_size]
-                if bad:
-                    raise ValueError(f"Unknown stop token id(s) {bad}: the vocabulary has ids "
-                                     f"0..{self.cfg.vocab_size - 1}.")
-            out.append(rows)
-        return out
+    @staticmethod
+    def _per_prompt(value, prompt_lists) -> list[list[tuple]]:
+        """Shared items, or one list per prompt (per prompt list) -> [list][prompt] tuples."""
+        per_prompt = len(value) > 0 and all(isinstance(v, (list, tuple)) for v in value)
+        if not per_prompt:
+            return [[tuple(value)] * len(prompts) for prompts in prompt_lists]
+        if len(prompt_lists) > 1:  # generate_per_agent: one entry per agent
+            return [[tuple(r) for r in v] for v in value]
+        if len(value) != len(prompt_lists[0]):
+            raise ValueError(f"Per-prompt stop lists: {len(value)} lists for "
+                             f"{len(prompt_lists[0])} prompts.")
+        return [[tuple(r) for r in value]]
 
-    def _stop_seqs(self, stop_strings) -> np.ndarray:
-        """[M, W] right-aligned token sequences of the stop strings (NO_TOKEN padded)."""
-        if stop_strings and self.tokenizer is None:
+    def _stop_ids(self, stop_ids, prompt_lists):
+        """Per list, per prompt: a tuple of stop ids (shared ids are repeated)."""
+        rows = self._per_prompt(stop_ids, prompt_lists)
+        for r in (r for lists in rows for r in lists):
+            bad = [t for t in r if not 0 <= int(t) < self.cfg.vocab_size]
+            if bad:
+                raise ValueError(f"Unknown stop token id(s) {bad}: the vocabulary has ids "
+                                 f"0..{self.cfg.vocab_size - 1}.")
+        return rows
+
+    def _encode_stop(self, text: str) -> list[int]:
+        if self.tokenizer is None:
             raise ValueError("stop_strings need a tokenizer: pass Sampler(..., tokenizer=...).")
-        seqs = [self.tokenizer.encode(s) for s in stop_strings]
-        if any(len(s) == 0 for s in seqs):
-            raise ValueError(f"A stop string encodes to no tokens: {list(stop_strings)}.")
-        width = max([len(s) for s in seqs] + [1])
-        table = np.full((max(len(seqs), 1), width), NO_TOKEN, np.int32)
-        for i, s in enumerate(seqs):
-            table[i, width - len(s):] = s
-        return table
+        ids = self.tokenizer.encode(text)
+        if not ids:
+            raise ValueError(f"Stop string {text!r} encodes to no tokens.")
+        return ids
 
     # -- output ----------------------------------------------------------------------------------
 
-    def _finish(self, out: Samples, num_prompts: int, stop_strings) -> Samples:
+    def _finish(self, out: Samples, stop_strings: list[tuple[str, ...]]) -> Samples:
         """Drops padding rows; cuts at stop strings that the token tail did not spell exactly."""
-        out = Samples(*(np.array(x[:num_prompts]) for x in out))
-        if stop_strings:
-            for b, g in np.ndindex(out.lengths.shape):
-                self._cut_at_stop_string(out, b, g, stop_strings)
+        out = Samples(*(np.array(x[:len(stop_strings)]) for x in out))
+        for b, g in np.ndindex(out.lengths.shape):
+            if stop_strings[b]:
+                self._cut_at_stop_string(out, b, g, stop_strings[b])
         return out
 
     def _cut_at_stop_string(self, out: Samples, b: int, g: int, stop_strings) -> None:

@@ -1,0 +1,384 @@
+"""Rollouts: node-wise Monte Carlo sampling (DESIGN §4) and its baselines, batched in waves.
+
+`nodewise` (JoyAgents-R1): sample an initial trajectory tau0 per query; for every LLM node i of
+tau0, draw G - 1 more outputs of node i's agent from tau0's prefix c_i (tau0's own output is the
+G-th member); complete each alternative once with the current policies and score it. Node i's G
+outputs with their episodes' rewards form one GRPO group: sum_i G_i samples, not prod_i G_i.
+`trajectory` (vanilla GRPO): G whole episodes per query; each node carries its episode's
+advantage as its `reward` (train it with advantages taken as given), grouped per (query, agent).
+`full_tree`: every node of every branch expands into G children (prod_i G_i leaves; for the
+cost benchmark); a child's reward is the mean over the leaves below it.
+
+All pending nodes of all episodes advance together in waves: one `Policy.sample` call per wave,
+which the sampler policy turns into one sampler call per agent group. Tools run on the host
+between waves. Counters record sampler calls, generated tokens, tool calls and wall time per
+phase, so the cost of each mode is measured, not asserted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Literal, NamedTuple, Protocol
+
+import numpy as np
+
+from joyagents_jax import rewards as rw
+from joyagents_jax.agents import protocol
+from joyagents_jax.agents.system import AgentSystem, Episode, Request
+
+Mode = Literal["nodewise", "trajectory", "full_tree"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    mode: Mode = "nodewise"
+    group_size: int = 4  # G_i of every node (nodewise, full_tree); episodes per query (trajectory)
+    rewards: rw.RewardConfig = rw.RewardConfig()
+
+    def __post_init__(self):
+        if self.mode not in ("nodewise", "trajectory", "full_tree"):
+            raise ValueError(f"rollout.mode must be nodewise, trajectory or full_tree, got "
+                             f"{self.mode!r}.")
+        if self.group_size < 2:
+            raise ValueError(f"rollout.group_size must be >= 2 (GRPO compares samples within a "
+                             f"group), got {self.group_size}.")
+
+
+class Generation(NamedTuple):
+    """One sampled node output."""
+
+    text: str
+    tokens: np.ndarray  # [n] int32, the output tokens (through the stop)
+    logp: np.ndarray  # [n] f32, the sampler's log-probs
+    truncated: bool  # ran out of tokens before a stop
+
+
+class NodeInput(NamedTuple):
+    agent: str
+    prompt: str  # rendered chat, ending where the output starts
+    prompt_ids: list[int]
+    role: str
+
+
+class Policy(Protocol):
+    """Draws `group_size` outputs for each node input (all in as few sampler calls as it can)."""
+
+    calls: int
+
+    def sample(self, inputs: Sequence[NodeInput], group_size: int) -> list[list[Generation]]: ...
+
+
+class Memory(Protocol):
+    """The memory hook: per node, reuse a stored response, or give a hint, or nothing."""
+
+    def lookup(self, agent: str, request: Request) -> tuple[str, Generation | protocol.Hint] | None: ...
+
+
+class NoMemory:
+    def lookup(self, agent, request):
+        return None
+
+
+@dataclasses.dataclass
+class Trace:
+    """An episode plus the token-level record of each of its nodes."""
+
+    episode: Episode
+    inputs: list[NodeInput] = dataclasses.field(default_factory=list)
+    gens: list[Generation] = dataclasses.field(default_factory=list)
+
+    def branch(self, system: AgentSystem, upto: int) -> "Trace":
+        """A copy holding only the first `upto` nodes (the prefix c_upto), replayed."""
+        outputs = [(n.output, n.truncated) for n in self.episode.nodes[:upto]]
+        return Trace(Episode.replay(system, self.episode.query, outputs),
+                     self.inputs[:upto], self.gens[:upto])
+
+
+class Sample(NamedTuple):
+    """One training sample: an agent's node output in its context, with its group's data."""
+
+    agent: str
+    prompt_ids: list[int]
+    output_ids: np.ndarray
+    sampler_logp: np.ndarray
+    reward: float  # the reward GRPO normalizes within the group
+    memory_reward: float  # R_A + R_F, for the memory update
+    group: int  # node group id, unique within the rollout
+    query: int  # index of the query in the batch
+    node: int  # node index in its episode
+
+
+@dataclasses.dataclass
+class Counters:
+    sampler_calls: int = 0
+    waves: int = 0
+    generated_tokens: int = 0
+    llm_nodes: int = 0
+    memory_hits: int = 0
+    memory_hints: int = 0
+    tool_calls: int = 0
+    alternatives: int = 0  # sampled alternatives that form groups (sum G_i or prod G_i)
+    seconds: dict[str, float] = dataclasses.field(default_factory=lambda: defaultdict(float))
+
+
+class RolloutResult(NamedTuple):
+    samples: list[Sample]
+    episodes: list[Trace]  # tau0 (nodewise, full_tree root paths) or all episodes (trajectory)
+    rewards: list[rw.RewardParts]  # per returned episode
+    counters: Counters
+
+
+class Task(NamedTuple):
+    """What a rollout needs of an example: the query and how to score its answer."""
+
+    query: str
+    answer: str
+    answer_kind: str
+    min_llm_calls: int
+
+
+# ----------------------------------------------------------------------------------------------
+# The engine.
+# ----------------------------------------------------------------------------------------------
+
+class Rollout:
+    """Runs a batch of tasks in one of the three modes with a policy and a memory hook."""
+
+    def __init__(self, system: AgentSystem, tokenizer, policy: Policy, cfg: RolloutConfig,
+                 memory: Memory | None = None):
+        self.system, self.tokenizer, self.policy, self.cfg = system, tokenizer, policy, cfg
+        self.memory = memory or NoMemory()
+
+    def run(self, tasks: Sequence[Task]) -> RolloutResult:
+        counters = Counters()
+        calls0 = self.policy.calls
+        run = {"nodewise": self._nodewise, "trajectory": self._trajectory,
+               "full_tree": self._full_tree}[self.cfg.mode]
+        samples, traces = run(tasks, counters)
+        counters.sampler_calls = self.policy.calls - calls0
+        counters.tool_calls = sum(t.episode.tool_calls for t in traces)
+        scores = [self._reward(t, tasks[q]) for q, t in self._owners(traces, tasks)]
+        return RolloutResult(samples, traces, scores, counters)
+
+    def _owners(self, traces, tasks):
+        per_query = len(traces) // len(tasks)
+        return [(i // per_query, t) for i, t in enumerate(traces)]
+
+    def _reward(self, trace: Trace, task: Task) -> rw.RewardParts:
+        return trace.episode.reward(task.answer, task.answer_kind, task.min_llm_calls,
+                                    self.cfg.rewards)
+
+    # -- waves -----------------------------------------------------------------------------
+
+    def _input(self, request: Request, hint: protocol.Hint | None = None) -> NodeInput:
+        spec = self.system.specs[request.agent]
+        prompt = protocol.render_prompt(self.tokenizer, spec, request.query, request.turns, hint)
+        return NodeInput(request.agent, prompt, self.tokenizer.encode(prompt), spec.role)
+
+    def _record(self, trace: Trace, node_input: NodeInput, gen: Generation,
+                from_memory: bool = False) -> None:
+        trace.inputs.append(node_input)
+        trace.gens.append(gen)
+        trace.episode.apply(gen.text, truncated=gen.truncated, from_memory=from_memory)
+
+    def _complete(self, traces: Sequence[Trace], counters: Counters) -> None:
+        """Advances every unfinished trace to its end, one wave of pending nodes at a time."""
+        start = time.perf_counter()
+        while True:
+            pending = [(t, t.episode.pending()) for t in traces if not t.episode.done]
+            if not pending:
+                break
+            todo = []
+            for trace, request in pending:
+                found = self.memory.lookup(request.agent, request)
+                if found is not None and found[0] == "reuse":
+                    counters.memory_hits += 1
+                    self._record(trace, self._input(request), found[1], from_memory=True)
+                    continue
+                hint = found[1] if found is not None else None
+                counters.memory_hints += hint is not None
+                todo.append((trace, self._input(request, hint)))
+            if todo:
+                gens = self._sample([i for _, i in todo], 1, counters)
+                for (trace, node_input), (gen,) in zip(todo, gens):
+                    self._record(trace, node_input, gen)
+        counters.seconds["complete"] += time.perf_counter() - start
+
+    def _sample(self, inputs: Sequence[NodeInput], group_size: int,
+                counters: Counters) -> list[list[Generation]]:
+        start = time.perf_counter()
+        gens = self.policy.sample(inputs, group_size)
+        counters.waves += 1
+        counters.llm_nodes += len(inputs) * group_size
+        counters.generated_tokens += sum(len(g.tokens) for row in gens for g in row)
+        counters.seconds["sample"] += time.perf_counter() - start
+        return gens
+
+    # -- modes -----------------------------------------------------------------------------
+
+    def _nodewise(self, tasks, counters):
+        tau0 = [Trace(Episode(self.system, t.query)) for t in tasks]
+        self._complete(tau0, counters)
+        points = [(q, i) for q, t in enumerate(tau0) for i, n in enumerate(t.episode.nodes)
+                  if not n.from_memory]
+        g = self.cfg.group_size
+        alternatives = self._sample([tau0[q].inputs[i] for q, i in points], g - 1, counters)
+        children = []
+        for (q, i), gens in zip(points, alternatives):
+            for gen in gens:
+                child = tau0[q].branch(self.system, i)
+                self._record(child, tau0[q].inputs[i], gen)
+                children.append(child)
+        counters.alternatives = len(points) * g
+        self._complete(children, counters)
+
+        samples, k = [], 0
+        for group, (q, i) in enumerate(points):
+            members = [tau0[q]] + children[k:k + g - 1]
+            k += g - 1
+            for trace in members:
+                samples.append(self._sample_of(trace, i, self._reward(trace, tasks[q]), group, q))
+        return samples, tau0
+
+    def _trajectory(self, tasks, counters):
+        g = self.cfg.group_size
+        traces = [Trace(Episode(self.system, t.query)) for t in tasks for _ in range(g)]
+        self._complete(traces, counters)
+        counters.alternatives = len(traces)
+        samples, groups = [], {}
+        for q in range(len(tasks)):
+            members = traces[q * g:(q + 1) * g]
+            parts = [self._reward(t, tasks[q]) for t in members]
+            adv = episode_advantages(np.array([float(p.total) for p in parts]))
+            for trace, a, p in zip(members, adv, parts):
+                for i, node in enumerate(trace.episode.nodes):
+                    if node.from_memory:
+                        continue
+                    group = groups.setdefault((q, node.agent), len(groups))
+                    samples.append(self._sample_of(trace, i, p, group, q)._replace(reward=float(a)))
+        return samples, traces
+
+    def _full_tree(self, tasks, counters):
+        g = self.cfg.group_size
+        roots = [Trace(Episode(self.system, t.query)) for t in tasks]
+        children: dict[int, list[Trace]] = {}  # id(parent) -> its G children
+        groups: list[None] = []  # one entry per expanded node: its group id is its index
+        frontier = list(roots)
+        while frontier:
+            frontier = [t for t in frontier if not t.episode.done]
+            if not frontier:
+                break
+            inputs = [self._input(t.episode.pending()) for t in frontier]
+            gens = self._sample(inputs, g, counters)
+            next_frontier = []
+            for parent, node_input, row in zip(frontier, inputs, gens):
+                kids = []
+                for gen in row:
+                    kid = parent.branch(self.system, len(parent.episode.nodes))
+                    self._record(kid, node_input, gen)
+                    kids.append(kid)
+                children[id(parent)] = kids
+                next_frontier += kids
+            counters.alternatives += len(frontier) * g
+            frontier = next_frontier
+
+        samples, paths = [], []
+        for q, root in enumerate(roots):
+            value: dict[int, float] = {}
+
+            def leaf_mean(t: Trace) -> float:  # mean reward of the leaves below t
+                kids = children.get(id(t))
+                value[id(t)] = (float(self._reward(t, tasks[q]).total) if kids is None
+                                else float(np.mean([leaf_mean(c) for c in kids])))
+                return value[id(t)]
+
+            leaf_mean(root)
+            stack = [root]
+            while stack:
+                kids = children.get(id(stack.pop()), [])
+                group = len(groups) if kids else None
+                groups.extend([None] * bool(kids))
+                for kid in kids:
+                    s = self._sample_of(kid, len(kid.episode.nodes) - 1, None, group, q)
+                    samples.append(s._replace(reward=value[id(kid)], memory_reward=value[id(kid)]))
+                stack += kids
+            paths.append(_first_leaf(root, children))
+        return samples, paths
+
+    def _sample_of(self, trace: Trace, node: int, parts: rw.RewardParts | None, group: int,
+                   query: int) -> Sample:
+        node_input, gen = trace.inputs[node], trace.gens[node]
+        return Sample(agent=node_input.agent, prompt_ids=node_input.prompt_ids,
+                      output_ids=gen.tokens, sampler_logp=gen.logp,
+                      reward=0.0 if parts is None else float(parts.total),
+                      memory_reward=0.0 if parts is None else float(parts.memory_reward),
+                      group=group, query=query, node=node)
+
+
+def _first_leaf(root: Trace, children: dict[int, list[Trace]]) -> Trace:
+    while id(root) in children:
+        root = children[id(root)][0]
+    return root
+
+
+def episode_advantages(rewards: np.ndarray, eps: float = 1e-6) -> np.ndarray:
+    """(r - mean) / (std + eps) over one query's episodes (vanilla GRPO, trajectory mode)."""
+    return (rewards - rewards.mean()) / (rewards.std() + eps)
+
+
+# ----------------------------------------------------------------------------------------------
+# The policy backed by the real sampler.
+# ----------------------------------------------------------------------------------------------
+
+class SamplerPolicy:
+    """Samples node outputs with `Sampler`s: one sampler call per agent group per wave.
+
+    agent_slots: agent -> (group name, index in that group's stacked params). Set `params`
+    ({group: stacked params}) and `key` before sampling; each call splits the key.
+    """
+
+    def __init__(self, samplers, agent_slots, scfg, tokenizer, key):
+        self.samplers, self.agent_slots, self.scfg = samplers, agent_slots, scfg
+        self.tokenizer, self.key, self.params = tokenizer, key, None
+        self.calls = 0
+
+    def sample(self, inputs: Sequence[NodeInput], group_size: int) -> list[list[Generation]]:
+        import jax
+
+        out: list[list[Generation] | None] = [None] * len(inputs)
+        by_group: dict[str, dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))
+        for i, node_input in enumerate(inputs):
+            group, slot = self.agent_slots[node_input.agent]
+            by_group[group][slot].append(i)
+        for group, slots in by_group.items():
+            self.key, key = jax.random.split(self.key)
+            sampler, params = self.samplers[group], self.params[group]
+            stops = lambda idx: [protocol.stop_strings(inputs[i].role) for i in idx]
+            prompts = lambda idx: [inputs[i].prompt_ids for i in idx]
+            kw = dict(key=key, scfg=self.scfg, group_size=group_size,
+                      stop_ids=self.tokenizer.stop_ids)
+            if len(slots) == 1:
+                (slot, idx), = slots.items()
+                results = {slot: sampler.generate(params, prompts(idx), agent=slot,
+                                                  stop_strings=stops(idx), **kw)}
+            else:
+                num = jax.tree.leaves(params)[0].shape[0]
+                fill = lambda s, f, dummy: f(slots[s]) if s in slots else dummy
+                per_agent = sampler.generate_per_agent(
+                    params, [fill(s, prompts, [[self.tokenizer.pad_id]]) for s in range(num)],
+                    stop_strings=[fill(s, stops, [()]) for s in range(num)], **kw)
+                results = {s: per_agent[s] for s in slots}
+            self.calls += 1
+            for slot, idx in slots.items():
+                for row, i in enumerate(idx):
+                    out[i] = [self._generation(results[slot], row, g) for g in range(group_size)]
+        return out
+
+    def _generation(self, samples, row: int, g: int) -> Generation:
+        n = int(samples.lengths[row, g])
+        tokens = samples.tokens[row, g, :n]
+        return Generation(self.tokenizer.decode(tokens), tokens, samples.logp_sample[row, g, :n],
+                          truncated=not bool(samples.stopped[row, g]))

@@ -1,0 +1,191 @@
+"""Rollout modes with scripted policies (structure, counts, rewards) and with the real sampler."""
+
+import collections
+import math
+
+import jax
+import numpy as np
+import pytest
+
+from joyagents_jax import rollout
+from joyagents_jax.agents import system
+from joyagents_jax.data import assistant_suite as suite
+from joyagents_jax.models import qwen2
+from joyagents_jax.sampling import Sampler, SamplingConfig
+from joyagents_jax.tokenizers import ByteTokenizer
+
+TOK = ByteTokenizer()
+
+
+class ScriptedPolicy:
+    """Test double: output = script(node input, j, group size); counts calls like a sampler."""
+
+    def __init__(self, script):
+        self.script, self.calls, self.batch_sizes = script, 0, []
+
+    def sample(self, inputs, group_size):
+        self.calls += 1
+        self.batch_sizes.append(len(inputs))
+        out = []
+        for node_input in inputs:
+            row = []
+            for j in range(group_size):
+                text = self.script(node_input, j, group_size)
+                ids = np.asarray(TOK.encode(text), np.int32)
+                row.append(rollout.Generation(text, ids, np.zeros(len(ids), np.float32), False))
+            out.append(row)
+        return out
+
+
+@pytest.fixture(scope="module")
+def examples():
+    records = suite.generate_splits(suite.TINY)["train"]
+    exs = [suite.decode(r) for r in records]
+    by_domain = {}
+    for ex in exs:
+        by_domain.setdefault(ex.domain, ex)
+    return by_domain
+
+
+@pytest.fixture(scope="module")
+def sys_():
+    return system.make_system(suite.suite_world(suite.TINY))
+
+
+def _task(ex):
+    return rollout.Task(ex.query, ex.answer, ex.answer_kind, ex.min_llm_calls)
+
+
+def gold_script(examples, wrong_every=0):
+    """Replays gold outputs, keyed by rendered prompt; in draws of several samples, every
+    `wrong_every`-th answer node answers wrongly, so groups get reward spread."""
+    table = {}
+    sys_ = system.make_system(suite.suite_world(suite.TINY))
+    for ex in examples:
+        ep = system.demonstration(sys_, ex.query, [n.output for n in ex.gold])
+        for node in ep.nodes:
+            spec = sys_.specs[node.agent]
+            from joyagents_jax.agents import protocol
+            table[protocol.render_prompt(TOK, spec, node.query, node.turns)] = node.output
+    counter = collections.Counter()
+
+    def script(node_input, j, group_size):
+        gold = table[node_input.prompt] if node_input.prompt in table else "<answer>?</answer>"
+        counter[group_size] += 1
+        if group_size > 1 and wrong_every and gold.startswith("<answer>") \
+                and counter[group_size] % wrong_every == 0:
+            return "<answer>wrong</answer>"
+        return gold
+    return script
+
+
+def test_nodewise_groups_share_prefix_and_score_their_own_continuation(examples, sys_):
+    exs = [examples["math"], examples["cooperation"]]
+    g = 3
+    policy = ScriptedPolicy(gold_script(exs, wrong_every=2))
+    result = rollout.Rollout(sys_, TOK, policy, rollout.RolloutConfig("nodewise", g)).run(
+        [_task(e) for e in exs])
+    k = [len(t.episode.nodes) for t in result.episodes]
+    assert k == [e.min_llm_calls for e in exs]  # tau0 follows the gold trajectory
+    assert result.counters.alternatives == g * sum(k)  # sum_i G_i, not prod_i G_i
+    groups = collections.defaultdict(list)
+    for s in result.samples:
+        groups[s.group].append(s)
+    assert len(groups) == sum(k) and all(len(m) == g for m in groups.values())
+    for members in groups.values():
+        assert len({(m.query, m.node, m.agent, tuple(m.prompt_ids)) for m in members}) == 1
+    # tau0 is member 0 and earns the full reward; a wrong alternative answer scores lower.
+    rewards = np.array([[m.reward for m in groups[i]] for i in sorted(groups)])
+    assert np.allclose(rewards[:, 0], 1.1)
+    assert (rewards[:, 1:] < 1.0).any() and np.isclose(rewards[:, 1:], 1.1).any()
+
+
+def test_nodewise_reward_comes_from_each_alternatives_own_completion(examples, sys_):
+    ex = examples["math"]
+
+    def script(node_input, j, group_size):  # the math agent's alternative answer is wrong
+        base = gold_script([ex])(node_input, j, 1)
+        if node_input.agent == "math" and base.startswith("<answer>") and group_size > 1:
+            return "<answer>wrong</answer>"
+        return base
+    result = rollout.Rollout(sys_, TOK, ScriptedPolicy(script),
+                             rollout.RolloutConfig("nodewise", 3)).run([_task(ex)])
+    by_node = {s.node: [] for s in result.samples}
+    for s in result.samples:
+        by_node[s.node].append(s.reward)
+    math_answer_node = 2
+    assert by_node[math_answer_node] == pytest.approx([1.1, 0.1, 0.1])  # wrong answers propagate
+    assert by_node[0] == pytest.approx([1.1, 1.1, 1.1])  # routing alternatives complete correctly
+
+
+def test_full_tree_counts_the_product(examples, sys_):
+    ex = examples["qa"]  # 4 LLM nodes
+    g = 2
+    policy = ScriptedPolicy(gold_script([ex]))
+    result = rollout.Rollout(sys_, TOK, policy, rollout.RolloutConfig("full_tree", g)).run([_task(ex)])
+    k = ex.min_llm_calls
+    assert result.counters.alternatives == sum(g ** (i + 1) for i in range(k))
+    assert len(result.samples) == result.counters.alternatives
+    leaves = g ** k
+    assert result.counters.llm_nodes == sum(g ** (i + 1) for i in range(k)) and leaves == 16
+    nodewise = rollout.Rollout(sys_, TOK, ScriptedPolicy(gold_script([ex])),
+                               rollout.RolloutConfig("nodewise", g)).run([_task(ex)])
+    assert nodewise.counters.alternatives == g * k < leaves
+
+
+def test_trajectory_nodes_carry_their_episodes_advantage(examples, sys_):
+    exs = [examples["math"], examples["gfc"]]
+    g = 4
+    result = rollout.Rollout(sys_, TOK, ScriptedPolicy(gold_script(exs, wrong_every=2)),
+                             rollout.RolloutConfig("trajectory", g)).run([_task(e) for e in exs])
+    assert len(result.episodes) == g * len(exs)
+    for q in range(len(exs)):
+        totals = np.array([float(r.total) for r in result.rewards[q * g:(q + 1) * g]])
+        adv = (totals - totals.mean()) / (totals.std() + 1e-6)
+        for s in (s for s in result.samples if s.query == q):
+            episode = next(e for e in range(g) if any(
+                s.output_ids is gen.tokens for gen in result.episodes[q * g + e].gens))
+            assert s.reward == pytest.approx(adv[episode])
+    assert len({(s.query, s.agent) for s in result.samples}) == len({s.group for s in result.samples})
+
+
+def test_sampler_calls_bounded_by_waves_not_queries(examples, sys_):
+    exs = list(examples.values()) * 4  # 20 queries of every domain
+    policy = ScriptedPolicy(gold_script(exs))
+    result = rollout.Rollout(sys_, TOK, policy, rollout.RolloutConfig("nodewise", 2)).run(
+        [_task(e) for e in exs])
+    max_nodes = max(e.min_llm_calls for e in exs)
+    total_nodes = sum(e.min_llm_calls for e in exs)
+    # tau0 waves + one alternatives wave + continuation waves, each at most max_nodes
+    assert policy.calls <= 2 * max_nodes + 1 < total_nodes
+    assert max(policy.batch_sizes) == total_nodes  # the alternatives wave: every node at once
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="rollout.mode must be"):
+        rollout.RolloutConfig("beam")
+    with pytest.raises(ValueError, match="group_size must be >= 2"):
+        rollout.RolloutConfig("nodewise", 1)
+
+
+@pytest.mark.parametrize("mode", ["nodewise", "trajectory", "full_tree"])
+def test_real_sampler_with_random_tiny_policies(mode, examples, sys_):
+    cfg = qwen2.Qwen2Config(vocab_size=TOK.vocab_size, hidden_size=32, intermediate_size=64,
+                            num_layers=1, num_heads=2, num_kv_heads=1, max_position_embeddings=1024)
+    agents = sys_.agents
+    keys = jax.random.split(jax.random.key(0), len(agents))
+    params = jax.tree.map(lambda *x: np.stack(x), *[qwen2.init_params(cfg, k) for k in keys])
+    policy = rollout.SamplerPolicy({"all": Sampler(cfg, pad_id=TOK.pad_id, tokenizer=TOK)},
+                                   {a: ("all", i) for i, a in enumerate(agents)},
+                                   SamplingConfig(8), TOK, jax.random.key(1))
+    policy.params = {"all": params}
+    limits = system.Limits(max_nodes=2, max_tokens_per_node=8)
+    small = system.make_system(suite.suite_world(suite.TINY), limits=limits)
+    exs = [examples["math"], examples["qa"]]
+    result = rollout.Rollout(small, TOK, policy, rollout.RolloutConfig(mode, 2)).run(
+        [_task(e) for e in exs])
+    assert result.samples and all(t.episode.done for t in result.episodes)
+    assert result.counters.sampler_calls == policy.calls >= 1
+    for s in result.samples:
+        assert 1 <= len(s.output_ids) <= 8 and len(s.sampler_logp) == len(s.output_ids)
+        assert np.all(s.sampler_logp <= 0) and s.agent in agents
