@@ -71,15 +71,22 @@ class Policy(Protocol):
     def sample(self, inputs: Sequence[NodeInput], group_size: int) -> list[list[Generation]]: ...
 
 
-class Memory(Protocol):
-    """The memory hook: per node, reuse a stored response, or give a hint, or nothing."""
+class Reuse(NamedTuple):
+    """A memory hit: the stored response replaces generation (no LLM call)."""
 
-    def lookup(self, agent: str, request: Request) -> tuple[str, Generation | protocol.Hint] | None: ...
+    generation: Generation
+    slot: int  # the memory slot it came from (a bad outcome deletes it)
+
+
+class Memory(Protocol):
+    """The memory hook, asked once per wave: per pending node, `Reuse`, a `Hint`, or None."""
+
+    def lookup(self, requests: Sequence[Request]) -> list[Reuse | protocol.Hint | None]: ...
 
 
 class NoMemory:
-    def lookup(self, agent, request):
-        return None
+    def lookup(self, requests):
+        return [None] * len(requests)
 
 
 @dataclasses.dataclass
@@ -89,12 +96,13 @@ class Trace:
     episode: Episode
     inputs: list[NodeInput] = dataclasses.field(default_factory=list)
     gens: list[Generation] = dataclasses.field(default_factory=list)
+    memory_slots: dict[int, int] = dataclasses.field(default_factory=dict)  # node -> slot reused
 
     def branch(self, system: AgentSystem, upto: int) -> "Trace":
         """A copy holding only the first `upto` nodes (the prefix c_upto), replayed."""
         outputs = [(n.output, n.truncated) for n in self.episode.nodes[:upto]]
-        return Trace(Episode.replay(system, self.episode.query, outputs),
-                     self.inputs[:upto], self.gens[:upto])
+        return Trace(Episode.replay(system, self.episode.query, outputs), self.inputs[:upto],
+                     self.gens[:upto], {k: v for k, v in self.memory_slots.items() if k < upto})
 
 
 class Sample(NamedTuple):
@@ -192,15 +200,15 @@ class Rollout:
             if not pending:
                 break
             todo = []
-            for trace, request in pending:
-                found = self.memory.lookup(request.agent, request)
-                if found is not None and found[0] == "reuse":
+            found = self.memory.lookup([request for _, request in pending])
+            for (trace, request), hit in zip(pending, found):
+                if isinstance(hit, Reuse):
                     counters.memory_hits += 1
-                    self._record(trace, self._input(request), found[1], from_memory=True)
+                    trace.memory_slots[len(trace.gens)] = hit.slot
+                    self._record(trace, self._input(request), hit.generation, from_memory=True)
                     continue
-                hint = found[1] if found is not None else None
-                counters.memory_hints += hint is not None
-                todo.append((trace, self._input(request, hint)))
+                counters.memory_hints += hit is not None
+                todo.append((trace, self._input(request, hit)))
             if todo:
                 gens = self._sample([i for _, i in todo], 1, counters)
                 for (trace, node_input), (gen,) in zip(todo, gens):
