@@ -32,8 +32,23 @@ def _tokenizer(argv: list[str]) -> int:
     return 0
 
 
+def _plan(argv: list[str]) -> int:
+    from joyagents_jax import plan
+
+    return plan.main(argv)
+
+
+def _check_cluster(argv: list[str]) -> int:
+    from joyagents_jax import distributed
+
+    return distributed.main(argv)
+
+
 COMMANDS: dict[str, Command] = {
     "tokenizer": Command("build the Qwen2.5 tokenizer folder offline", _tokenizer),
+    "plan": Command("per-device memory dry run of a config on a mesh (no weights)", _plan),
+    "check-cluster": Command("initialize jax.distributed and verify all processes agree",
+                             _check_cluster),
 }
 
 

@@ -1,0 +1,297 @@
+"""`joyagents plan`: per-device memory of a multi-agent system on a mesh, before any launch.
+
+Nothing is allocated: params and optimizer state are `jax.eval_shape` results placed by the
+partition rules, the KV cache is sized from its shape, and activations come from the compiled
+memory analysis of one train step per agent group, lowered for this machine's devices (use
+`--cpu-devices N` to plan an N-device pod from a laptop). Until the GRPO train step exists, the
+step compiled here is its proxy: policy forward, reference forward, GRPO loss, backward and
+AdamW update, vmapped over the group's agents. The training issue swaps in the real step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec as P
+
+from joyagents_jax import distributed, grpo, sharding
+from joyagents_jax.models import presets, qwen2
+
+# Named systems: groups of (preset, agents). Agents that share an architecture form one
+# stacked group (DESIGN §3): the paper's master + qa/efc/gfc/math sub-agents.
+SYSTEMS: dict[str, tuple[tuple[str, int], ...]] = {
+    "3b+3b": (("qwen2.5-3b", 5),),
+    "7b+3b": (("qwen2.5-7b", 1), ("qwen2.5-3b", 4)),
+    "tiny": (("tiny", 5),),
+}
+ROWS = ("params", "optimizer", "reference", "kv_cache", "activations")
+GiB = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanConfig:
+    """What to plan. Batch sizes are global sequences per agent."""
+
+    groups: tuple[tuple[str, int], ...]
+    mesh: str = "fsdp=-1"
+    param_dtype: str = "float32"  # trained weights and AdamW moments
+    compute_dtype: str = "bfloat16"
+    ref_dtype: str = "bfloat16"  # the frozen KL reference policy
+    train_batch: int = 8  # sequences per agent in one train micro-step
+    seq_len: int = 1024
+    rollout_batch: int = 64  # sequences per agent decoded together
+    cache_len: int = 2048
+    remat: bool = True
+    on_indivisible: sharding.OnIndivisible = "error"
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """One stacked agent group's abstract state and its placement."""
+
+    preset: str
+    cfg: qwen2.Qwen2Config
+    ref_cfg: qwen2.Qwen2Config
+    trees: dict[str, Any]  # ROWS but activations -> ShapeDtypeStructs, leading agent axis
+    shardings: dict[str, Any]  # the same keys -> NamedShardings
+
+    @property
+    def agents(self) -> int:
+        return jax.tree.leaves(self.trees["params"])[0].shape[0]
+
+    def bytes(self, row: str, per_device: bool) -> int:
+        return _bytes(self.trees[row], self.shardings[row] if per_device else None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    config: PlanConfig
+    mesh: jax.sharding.Mesh
+    groups: list[Group]
+    activations: int  # per device, from the compiled step over all groups
+
+    def per_device(self, row: str) -> int:
+        if row == "activations":
+            return self.activations
+        return sum(g.bytes(row, per_device=True) for g in self.groups)
+
+    def total(self, row: str) -> int:
+        if row == "activations":
+            return self.activations * self.mesh.size
+        return sum(g.bytes(row, per_device=False) for g in self.groups)
+
+
+# ----------------------------------------------------------------------------------------------
+# Abstract state and the compiled proxy step.
+# ----------------------------------------------------------------------------------------------
+
+# The rollout KV cache [L, B, S, K, Hd] per agent: batch over data×fsdp, KV heads over tensor.
+KV_RULES: sharding.Rules = ((r"(^|/)(k|v)$", P(None, sharding.BATCH_AXES, None, "tensor")),)
+
+
+def _stack(tree: Any, agents: int) -> Any:
+    """[...] ShapeDtypeStructs -> [A, ...]: a stacked agent group."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((agents, *x.shape), x.dtype), tree)
+
+
+def _bytes(tree: Any, shardings: Any | None = None) -> int:
+    """Bytes of a tree of ShapeDtypeStructs: whole, or one device's shard of each leaf."""
+    leaves = jax.tree.leaves(tree)
+    shapes = ([x.shape for x in leaves] if shardings is None else
+              [s.shard_shape(x.shape) for x, s in zip(leaves, jax.tree.leaves(shardings))])
+    return sum(math.prod(shape) * x.dtype.itemsize for x, shape in zip(leaves, shapes))
+
+
+def optimizer() -> optax.GradientTransformation:
+    """AdamW: mu and nu in the param dtype plus a step counter, kept per agent."""
+    return optax.adamw(1e-6, weight_decay=0.01)
+
+
+def kv_cache_shape(cfg: qwen2.Qwen2Config, agents: int, batch: int, length: int) -> dict:
+    """One group's rollout KV cache (k and v) as [A, L, B, S, K, Hd] ShapeDtypeStructs."""
+    shape = (agents, cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
+    return {n: jax.ShapeDtypeStruct(shape, jnp.dtype(cfg.dtype)) for n in ("k", "v")}
+
+
+def make_group(pc: PlanConfig, mesh: jax.sharding.Mesh, preset: str, agents: int) -> Group:
+    """`agents` copies of `preset`: params, per-agent AdamW state, reference, KV cache."""
+    cfg = presets.get_preset(preset, param_dtype=pc.param_dtype, dtype=pc.compute_dtype,
+                             remat=pc.remat)
+    ref_cfg = cfg.replace(param_dtype=pc.ref_dtype)
+    params = _stack(qwen2.param_shapes(cfg), agents)
+    trees = {
+        "params": params,
+        "optimizer": jax.eval_shape(jax.vmap(optimizer().init), params),
+        "reference": _stack(qwen2.param_shapes(ref_cfg), agents),
+        "kv_cache": kv_cache_shape(cfg, agents, pc.rollout_batch, pc.cache_len),
+    }
+    shardings = {row: sharding.param_shardings(
+        mesh, tree, KV_RULES if row == "kv_cache" else sharding.DEFAULT_RULES, stacked=True,
+        on_indivisible=pc.on_indivisible) for row, tree in trees.items()}
+    return Group(preset, cfg, ref_cfg, trees, shardings)
+
+
+def agent_step(cfg: qwen2.Qwen2Config, ref_cfg: qwen2.Qwen2Config,
+               tx: optax.GradientTransformation):
+    """(params, opt_state, ref, tokens [B, T]) -> (params, opt_state) for one agent."""
+
+    def loss(params, ref, tokens):
+        logp = grpo.token_logprobs(qwen2.forward(cfg, params, tokens).logits[:, :-1], tokens[:, 1:])
+        ref_logits = qwen2.forward(ref_cfg, ref, tokens).logits[:, :-1]
+        ref_logp = grpo.token_logprobs(ref_logits, tokens[:, 1:])
+        mask = jnp.ones_like(logp)
+        adv = jnp.ones(tokens.shape[:1], jnp.float32)
+        return grpo.grpo_loss(logp, logp, ref_logp, adv, mask, None, grpo.GRPOConfig())[0]
+
+    def step(params, opt_state, ref, tokens):
+        updates, opt_state = tx.update(jax.grad(loss)(params, ref, tokens), opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return step
+
+
+def proxy_step(groups: Sequence[Group], tx: optax.GradientTransformation):
+    """One step over all groups (tuples of per-group args), each vmapped over its agents.
+
+    GRPO-shaped: policy and reference forward, loss, backward, AdamW; the real train step
+    (training issue) replaces it.
+    """
+    steps = [jax.vmap(agent_step(g.cfg, g.ref_cfg, tx)) for g in groups]
+
+    def step(params, opt_states, refs, tokens):
+        out = [f(*args) for f, args in zip(steps, zip(params, opt_states, refs, tokens))]
+        return tuple(o[0] for o in out), tuple(o[1] for o in out)
+
+    return step
+
+
+def activation_bytes(pc: PlanConfig, mesh: jax.sharding.Mesh, groups: Sequence[Group]) -> int:
+    """Per-device temporaries (activations, gradients, logits) of the compiled proxy step."""
+    state = lambda row: tuple(sharding.abstract(g.trees[row], g.shardings[row]) for g in groups)
+    out_shardings = tuple(tuple(g.shardings[row] for g in groups)
+                          for row in ("params", "optimizer"))
+    tokens = tuple(jax.ShapeDtypeStruct((g.agents, pc.train_batch, pc.seq_len), jnp.int32,
+                                        sharding=sharding.batch_sharding(mesh, stacked=True))
+                   for g in groups)
+    step = jax.jit(proxy_step(groups, optimizer()), out_shardings=out_shardings,
+                   donate_argnums=(0, 1))
+    compiled = step.lower(state("params"), state("optimizer"), state("reference"), tokens).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def make_plan(pc: PlanConfig, devices: Sequence[jax.Device] | None = None) -> Plan:
+    mesh = sharding.make_mesh(pc.mesh, devices)
+    for what, size in (("Train batch", pc.train_batch), ("Rollout batch", pc.rollout_batch)):
+        sharding.check_batch(mesh.shape, size, what)
+    groups = [make_group(pc, mesh, preset, agents) for preset, agents in pc.groups]
+    return Plan(pc, mesh, groups, activation_bytes(pc, mesh, groups))
+
+
+# ----------------------------------------------------------------------------------------------
+# Report.
+# ----------------------------------------------------------------------------------------------
+
+def _device_capacity() -> int | None:
+    """Memory of one local device, where the backend reports it (TPU, GPU; not CPU)."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    return stats.get("bytes_limit")
+
+
+def format_plan(plan: Plan, capacity: int | None = None) -> str:
+    pc = plan.config
+    mesh = " ".join(f"{k}={v}" for k, v in plan.mesh.shape.items())
+    kind = plan.mesh.devices.flat[0].device_kind
+    lines = [f"Plan on {plan.mesh.size} x {kind} (mesh {mesh})"]
+    for g in plan.groups:
+        n = qwen2.count_params(g.cfg)
+        size = f"{n / 1e9:.3f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
+        lines.append(f"  group {g.preset} x {g.agents} agents, {size} params per agent")
+    labels = {
+        "params": f"params ({pc.param_dtype})",
+        "optimizer": f"optimizer (AdamW mu, nu; {pc.param_dtype})",
+        "reference": f"reference policy ({pc.ref_dtype})",
+        "kv_cache": f"KV cache (rollout {pc.rollout_batch} x {pc.cache_len}, {pc.compute_dtype})",
+        "activations": f"activations, temps (train {pc.train_batch} x {pc.seq_len})",
+    }
+    row = lambda label, dev, tot: f"  {label:<52}{dev / GiB:>12.2f}{tot / GiB:>14.2f}"
+    lines.append(f"  {'GiB':<52}{'per device':>12}{'whole system':>14}")
+    lines += [row(labels[r], plan.per_device(r), plan.total(r)) for r in ROWS]
+    peak = sum(plan.per_device(r) for r in ROWS)
+    lines.append(row("total", peak, sum(plan.total(r) for r in ROWS)))
+    if capacity:
+        verdict = ("fits" if peak <= capacity else
+                   f"does NOT fit (over by {(peak - capacity) / GiB:.2f} GiB)")
+        lines.append(f"  device memory {capacity / GiB:.2f} GiB: {verdict}")
+    lines.append(
+        "  activations: compiled memory analysis of one GRPO-shaped proxy step (policy and "
+        "reference forward,\n  backward, AdamW) for these devices; other backends fuse "
+        "differently, so plan on the target.\n  The KV cache is held during rollouts.")
+    return "\n".join(lines)
+
+
+def parse_groups(text: str) -> tuple[tuple[str, int], ...]:
+    """'3b+3b' (a named system) or 'qwen2.5-7b:1,qwen2.5-3b:4' (preset:agents, ...)."""
+    if text in SYSTEMS:
+        return SYSTEMS[text]
+    groups = []
+    for item in text.split(","):
+        preset, _, count = item.strip().partition(":")
+        presets.get_preset(preset)  # a clear error for unknown names
+        groups.append((preset, int(count or 1)))
+    return tuple(groups)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    d = PlanConfig(groups=())
+    p = argparse.ArgumentParser(
+        prog="joyagents plan",
+        description="Per-device memory of a multi-agent system on a mesh, without weights.")
+    p.add_argument("--config", default="3b+3b",
+                   help=f"a named system ({', '.join(SYSTEMS)}) or preset:agents,... "
+                        f"(e.g. qwen2.5-7b:1,qwen2.5-3b:4)")
+    p.add_argument("--mesh", default=d.mesh, help="axis sizes, e.g. data=2,fsdp=-1,tensor=2")
+    p.add_argument("--cpu-devices", type=int, help="simulate N CPU devices (plan a pod locally)")
+    p.add_argument("--device-gib", type=float, help="device memory to check the total against")
+    p.add_argument("--param-dtype", default=d.param_dtype)
+    p.add_argument("--compute-dtype", default=d.compute_dtype)
+    p.add_argument("--ref-dtype", default=d.ref_dtype)
+    p.add_argument("--train-batch", type=int, default=d.train_batch, help="sequences per agent")
+    p.add_argument("--seq-len", type=int, default=d.seq_len)
+    p.add_argument("--rollout-batch", type=int, default=d.rollout_batch, help="sequences per agent")
+    p.add_argument("--cache-len", type=int, default=d.cache_len)
+    p.add_argument("--no-remat", dest="remat", action="store_false")
+    p.add_argument("--on-indivisible", choices=("error", "replicate"), default=d.on_indivisible)
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.cpu_devices:  # must precede the first JAX computation
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", args.cpu_devices)
+    else:  # on a pod, every host runs plan and the mesh spans all of them
+        distributed.initialize()
+    names = {f.name for f in dataclasses.fields(PlanConfig)} - {"groups"}
+    try:
+        pc = PlanConfig(groups=parse_groups(args.config),
+                        **{k: v for k, v in vars(args).items() if k in names})
+        plan = make_plan(pc)
+    except ValueError as e:  # a bad mesh, batch, preset or dtype: say which and stop
+        print(f"joyagents plan: {e}", file=sys.stderr)
+        return 2
+    capacity = int(args.device_gib * GiB) if args.device_gib else _device_capacity()
+    if distributed.is_primary():
+        print(format_plan(plan, capacity))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Runs N local processes on 127.0.0.1 as one multi-host JAX job on the CPU: the same
+# multi-controller code path as a TPU pod or a SLURM cluster, on a laptop (tests use it).
+#
+# usage: launch/multiprocess_cpu.sh [-n PROCESSES] [-d DEVICES] [-p PORT] [--] SUBCOMMAND [ARGS...]
+#   -n PROCESSES  processes to start (default 2)
+#   -d DEVICES    fake CPU devices per process (default 2); the job has PROCESSES x DEVICES
+#   -p PORT       coordinator port on 127.0.0.1 (default: a free port)
+#   SUBCOMMAND ARGS...  run by every process through the entry point $ENTRY
+# environment:
+#   PYTHON  the interpreter (default: python)
+#   ENTRY   the command each process runs (default: "$PYTHON -m joyagents_jax.cli", i.e.
+#           `joyagents`); e.g. ENTRY="python -m joyagents_jax.distributed" runs the cluster check
+# Each process gets JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID, JAX_PLATFORMS=cpu
+# and XLA_FLAGS with the device count; its output lines are prefixed [pI]. If any process fails,
+# the others are stopped and the script exits with that status.
+# example: ENTRY="python -m joyagents_jax.distributed" launch/multiprocess_cpu.sh -n 2 -d 4
+set -euo pipefail
+
+procs=2 devices=2 port=""
+while getopts "n:d:p:h" opt; do
+  case $opt in
+    n) procs=$OPTARG ;;
+    d) devices=$OPTARG ;;
+    p) port=$OPTARG ;;
+    h) sed -n '2,/^[^#]/{/^#/p}' "$0"; exit 0 ;;
+    *) exit 2 ;;
+  esac
+done
+shift $((OPTIND - 1))
+[[ ${1:-} == "--" ]] && shift
+
+PYTHON=${PYTHON:-python}
+ENTRY=${ENTRY:-"$PYTHON -m joyagents_jax.cli"}
+if [[ -z $port ]]; then
+  port=$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+fi
+
+pids=()
+stop_all() {
+  for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
+}
+trap stop_all EXIT
+trap 'stop_all; exit 130' INT TERM
+
+for ((i = 0; i < procs; i++)); do
+  (
+    export JAX_COORDINATOR_ADDRESS="127.0.0.1:$port" JAX_NUM_PROCESSES=$procs JAX_PROCESS_ID=$i
+    export JAX_PLATFORMS=cpu XLA_FLAGS="--xla_force_host_platform_device_count=$devices ${XLA_FLAGS:-}"
+    exec $ENTRY "$@"
+  ) > >(while IFS= read -r line; do printf '[p%d] %s\n' "$i" "$line"; done) 2>&1 &
+  pids+=($!)
+done
+
+# Wait for all; on the first failure stop the rest (a dead peer would hang them until timeout).
+status=0
+remaining=${#pids[@]}
+while ((remaining > 0)); do
+  for j in "${!pids[@]}"; do
+    pid=${pids[$j]}
+    [[ -z $pid ]] || kill -0 "$pid" 2>/dev/null && continue
+    rc=0; wait "$pid" || rc=$?
+    pids[$j]=""; remaining=$((remaining - 1))
+    if ((rc != 0 && status == 0)); then
+      status=$rc
+      echo "multiprocess_cpu.sh: process $j exited with status $rc; stopping the others" >&2
+      stop_all
+    fi
+  done
+  sleep 0.2
+done
+wait  # let the output prefixers drain
+exit "$status"

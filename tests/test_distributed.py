@@ -1,0 +1,167 @@
+"""Multi-host runtime: launcher detection, process-local batches, and a real two-process job on
+127.0.0.1 through launch/multiprocess_cpu.sh (CPU collectives)."""
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from joyagents_jax import distributed, sharding
+from tests.test_sharding import ROOT, run_python
+
+
+@pytest.mark.parametrize("env, cluster", [
+    ({}, "none"),
+    ({"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234"}, "explicit"),
+    ({"SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "SLURM_NTASKS": "4"}, "slurm"),
+    ({"SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "SLURM_NTASKS": "1"}, "none"),
+    ({"TPU_WORKER_HOSTNAMES": "t0,t1,t2,t3"}, "tpu"),
+    ({"TPU_WORKER_HOSTNAMES": "t0"}, "none"),
+    ({"JOYAGENTS_CLUSTER": "tpu"}, "tpu"),
+    ({"JOYAGENTS_CLUSTER": "none", "SLURM_JOB_ID": "7", "SLURM_PROCID": "0",
+      "SLURM_NTASKS": "4"}, "none"),
+])
+def test_detect_cluster(env, cluster):
+    assert distributed.detect_cluster(env) == cluster
+
+
+def test_detect_cluster_rejects_unknown_override():
+    with pytest.raises(ValueError, match="JOYAGENTS_CLUSTER='k8s'; expected one of"):
+        distributed.detect_cluster({"JOYAGENTS_CLUSTER": "k8s"})
+
+
+def test_single_process_initialize_is_a_no_op(monkeypatch):
+    root = logging.getLogger()  # initialize() configures logging; undo it afterwards
+    monkeypatch.setattr(root, "handlers", list(root.handlers))
+    monkeypatch.setattr(root, "level", root.level)
+    for name in ("JOYAGENTS_CLUSTER", "JAX_COORDINATOR_ADDRESS", "SLURM_JOB_ID",
+                 "TPU_WORKER_HOSTNAMES"):
+        monkeypatch.delenv(name, raising=False)
+    assert distributed.initialize() == "none"
+    assert not jax.distributed.is_initialized()
+    assert distributed.is_primary()
+
+
+def test_explicit_launch_needs_all_three(monkeypatch):
+    for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
+    with pytest.raises(ValueError) as e:
+        distributed.initialize(cluster="explicit")
+    assert "missing ['coordinator_address', 'process_id']" in str(e.value)
+
+
+def test_global_batch_single_process():
+    mesh = sharding.make_mesh()
+    rows = distributed.process_rows(mesh, 4)
+    assert rows == slice(0, 4)
+    batch = {"tokens": np.arange(12).reshape(4, 3)}
+    out = distributed.global_batch(batch, mesh)
+    np.testing.assert_array_equal(out["tokens"], batch["tokens"])
+    assert out["tokens"].sharding.spec == sharding.batch_spec()
+
+
+def local_batch_report() -> dict:
+    """Runs with 8 fake devices: global arrays and the local-batch divisibility error."""
+    mesh = sharding.make_mesh("data=2,fsdp=4")
+    x = np.arange(16 * 3).reshape(16, 3)
+    out = distributed.global_batch(x[distributed.process_rows(mesh, 16)], mesh)
+    stacked = distributed.global_batch(np.stack([x, -x]), mesh, stacked=True)
+    try:
+        distributed.global_batch(x[:12], mesh)
+        error = ""
+    except sharding.ShardingError as e:
+        error = str(e)
+    return {"equal": bool((np.asarray(out) == x).all()),
+            "stacked_equal": bool((np.asarray(stacked) == np.stack([x, -x])).all()),
+            "shard": list(out.addressable_shards[0].data.shape),
+            "stacked_shard": list(stacked.addressable_shards[0].data.shape), "error": error}
+
+
+def test_global_batch_on_8_devices():
+    out = run_python("import json; from tests.test_distributed import local_batch_report; "
+                     "print('REPORT' + json.dumps(local_batch_report()))")
+    r = json.loads(out.split("REPORT", 1)[1])
+    assert r["equal"] and r["stacked_equal"]
+    assert r["shard"] == [2, 3] and r["stacked_shard"] == [2, 2, 3]
+    assert r["error"] == ("Process 0 feeds 12 rows (dimension 0 of a local batch of shape "
+                          "(12, 3)), not divisible by the 8 data-parallel shards on its devices; "
+                          "feed a multiple of 8 rows per process.")
+
+
+def _run_group(cmd: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """Runs `cmd` in its own process group and kills the whole group on timeout."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout} s; output:\n{out[-6000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out)
+
+
+def test_two_processes_agree_through_the_launch_script():
+    env = {**os.environ, "PYTHON": sys.executable,
+           "ENTRY": f"{sys.executable} -m joyagents_jax.distributed --timeout 60"}
+    env.pop("XLA_FLAGS", None)
+    proc = _run_group(["bash", "launch/multiprocess_cpu.sh", "-n", "2", "-d", "2"], env, 180)
+    assert proc.returncode == 0, f"two-process job failed:\n{proc.stdout[-6000:]}"
+    report = [line for line in proc.stdout.splitlines() if line.startswith("[p0] processes")]
+    assert len(report) == 1, proc.stdout
+    assert "processes 2, devices 4, global batch (8, 8)" in report[0]
+    assert report[0].endswith(": OK")
+    results = json.loads(report[0].split("process results ")[1].split(", expected")[0])
+    assert len(results) == 2 and results[0] == results[1]
+    # Only process 0 logs (the gloo library's own connection lines are not Python logs).
+    assert not [line for line in proc.stdout.splitlines()
+                if line.startswith("[p1]") and "[Gloo]" not in line], proc.stdout
+
+
+def test_launch_script_stops_everyone_when_one_fails(tmp_path):
+    script = tmp_path / "fail_one.py"
+    script.write_text("import os, sys, time\n"
+                      "sys.exit(3) if os.environ['JAX_PROCESS_ID'] == '1' else time.sleep(120)\n")
+    env = {**os.environ, "PYTHON": sys.executable, "ENTRY": f"{sys.executable} {script}"}
+    proc = _run_group(["bash", "launch/multiprocess_cpu.sh", "-n", "3"], env, 60)
+    assert proc.returncode == 3
+    assert "process 1 exited with status 3; stopping the others" in proc.stdout
+
+
+def _fake_tools(tmp_path, *names: str) -> dict:
+    """An environment whose PATH has `names` as stubs that print their arguments."""
+    for name in names:
+        stub = tmp_path / name
+        stub.write_text('#!/bin/bash\n'
+                        'echo "$0 JOYAGENTS_CLUSTER=${JOYAGENTS_CLUSTER:-} '
+                        'JAX_LOCAL_DEVICE_IDS=${JAX_LOCAL_DEVICE_IDS:-}"\n'
+                        'printf "[%s]" "$@"; echo\n')
+        stub.chmod(0o755)
+    return {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+
+
+def test_tpu_pod_script_runs_the_entry_point_on_every_worker(tmp_path):
+    env = _fake_tools(tmp_path, "gcloud")
+    out = subprocess.run(["bash", "launch/tpu_pod.sh", "my-tpu", "us-east5-a", "--project", "p",
+                          "plan", "--config", "7b+3b"], cwd=ROOT, env=env, text=True,
+                         capture_output=True, check=True).stdout
+    assert ("[compute][tpus][tpu-vm][ssh][my-tpu][--zone][us-east5-a][--project][p]"
+            "[--worker=all][--command][cd joyagents_jax && JOYAGENTS_CLUSTER=tpu python3 -m "
+            "joyagents_jax.cli plan --config 7b+3b ]") in out
+
+
+@pytest.mark.parametrize("tasks_per_node, device_ids", [("1", "0,1,2,3"), ("4", "")])
+def test_slurm_script_runs_the_entry_point_under_srun(tmp_path, tasks_per_node, device_ids):
+    env = _fake_tools(tmp_path, "srun") | {"SLURM_GPUS_ON_NODE": "4",
+                                          "SLURM_NTASKS_PER_NODE": tasks_per_node}
+    out = subprocess.run(["bash", "launch/slurm_gpu.sbatch", "plan", "--mesh", "fsdp=-1"],
+                         cwd=ROOT, env=env, text=True, capture_output=True, check=True).stdout
+    assert f"JOYAGENTS_CLUSTER=slurm JAX_LOCAL_DEVICE_IDS={device_ids}\n" in out
+    assert "[--kill-on-bad-exit=1][python][-m][joyagents_jax.cli][plan][--mesh][fsdp=-1]" in out

@@ -1,0 +1,106 @@
+"""`joyagents plan`: exact byte counts on a tiny system (in process, 1 device, no compile) and
+the compiled 3B+3B plan on 8 simulated devices (a subprocess: `--cpu-devices 8` must precede
+JAX's start)."""
+
+import dataclasses
+import math
+
+import pytest
+
+from joyagents_jax import plan, sharding
+from joyagents_jax.models import presets, qwen2
+from tests.test_sharding import run_python
+
+TINY = plan.PlanConfig(groups=(("tiny", 3), ("tiny", 1)), train_batch=2, seq_len=16,
+                       rollout_batch=2, cache_len=32)
+
+
+@pytest.fixture(scope="module")
+def tiny_plan() -> plan.Plan:
+    """Two groups, built without compiling (the 3B test below compiles a real step)."""
+    mesh = sharding.make_mesh()
+    groups = [plan.make_group(TINY, mesh, "tiny", 3), plan.make_group(TINY, mesh, "tiny", 1)]
+    return plan.Plan(TINY, mesh, groups, activations=12345)
+
+
+@pytest.mark.parametrize("dtype, size", [("float32", 4), ("bfloat16", 2)])
+def test_param_bytes_are_param_count_times_dtype_size(dtype, size):
+    mesh = sharding.make_mesh()
+    group = plan.make_group(dataclasses.replace(TINY, param_dtype=dtype), mesh, "tiny", 3)
+    count = qwen2.count_params(presets.get_preset("tiny"))
+    assert group.bytes("params", per_device=False) == 3 * count * size
+    assert group.bytes("params", per_device=True) == 3 * count * size  # one device holds all
+    # AdamW: mu and nu like the params, plus one int32 step counter per agent.
+    assert group.bytes("optimizer", per_device=False) == 2 * 3 * count * size + 3 * 4
+    assert group.bytes("reference", per_device=False) == 3 * count * 2  # bfloat16
+
+
+def test_plan_sums_its_groups(tiny_plan):
+    cfg = presets.get_preset("tiny")
+    count = qwen2.count_params(cfg)
+    assert tiny_plan.total("params") == tiny_plan.per_device("params") == 4 * count * 4
+    kv = 2 * 4 * cfg.num_layers * 2 * 32 * cfg.num_kv_heads * cfg.head_dim * 2  # k, v in bf16
+    assert tiny_plan.total("kv_cache") == kv
+    assert tiny_plan.per_device("activations") == tiny_plan.total("activations") == 12345
+
+
+def test_format_plan_lists_every_row(tiny_plan):
+    text = plan.format_plan(tiny_plan, capacity=1 << 30)
+    for label in ("params (float32)", "optimizer (AdamW", "reference policy (bfloat16)",
+                  "KV cache (rollout 2 x 32", "activations, temps (train 2 x 16)", "total"):
+        assert label in text
+    assert "device memory 1.00 GiB: fits" in text
+
+
+def test_parse_groups():
+    assert plan.parse_groups("3b+3b") == (("qwen2.5-3b", 5),)
+    assert plan.parse_groups("qwen2.5-7b:1,qwen2.5-3b:4") == (("qwen2.5-7b", 1), ("qwen2.5-3b", 4))
+    with pytest.raises(ValueError, match="Unknown model preset 'qwen9'"):
+        plan.parse_groups("qwen9:2")
+
+
+def test_mesh_larger_than_devices():
+    with pytest.raises(sharding.ShardingError, match="needs 2 devices, but only 1"):
+        plan.make_plan(plan.PlanConfig(groups=(("tiny", 1),), mesh="data=2"))
+
+
+PLAN_3B = """
+import contextlib, sys
+from joyagents_jax import plan
+plan.main(["--cpu-devices", "8", "--config", "3b+3b", "--mesh", "fsdp=8"])
+with contextlib.redirect_stderr(sys.stdout):
+    print("EXIT", plan.main(["--config", "3b+3b", "--mesh", "fsdp=2,tensor=4"]))
+    print("EXIT", plan.main(["--config", "3b+3b", "--train-batch", "4"]))
+"""
+
+
+@pytest.fixture(scope="module")
+def plan_3b() -> str:
+    return run_python(PLAN_3B, devices=None)
+
+
+def test_3b_plus_3b_table_on_8_devices(plan_3b):
+    lines = plan_3b.splitlines()
+    assert lines[0] == "Plan on 8 x cpu (mesh agent=1 data=1 fsdp=8 tensor=1)"
+    assert "group qwen2.5-3b x 5 agents, 3.086B params per agent" in lines[1]
+    rows = {line[:54].strip(): [float(v) for v in line[54:].split()]
+            for line in lines[3:9]}
+    count = qwen2.count_params(presets.get_preset("qwen2.5-3b"))
+    per_device, whole = rows["params (float32)"]
+    assert whole == pytest.approx(5 * count * 4 / 2**30, abs=0.005)
+    # Everything but the [L, D] norm scales is split 8 ways.
+    assert per_device == pytest.approx(whole / 8, rel=0.01)
+    assert rows["optimizer (AdamW mu, nu; float32)"][0] == pytest.approx(2 * per_device, rel=0.01)
+    assert rows["activations, temps (train 8 x 1024)"][0] > 0
+    assert math.isclose(rows["total"][0], sum(r[0] for k, r in rows.items() if k != "total"),
+                        abs_tol=0.03)
+
+
+def test_plan_reports_errors_instead_of_crashing(plan_3b):
+    errors = [line for line in plan_3b.splitlines() if line.startswith("joyagents plan:")]
+    assert errors[0].startswith(
+        "joyagents plan: Cannot shard layers/attn/k/bias [5, 36, 2, 128]: dimension 2 (size 2) "
+        "is not divisible by mesh axis tensor of size 4.")
+    assert errors[1] == ("joyagents plan: Train batch 4 is not divisible by the data-parallel "
+                         "size 8 (mesh axes data=1 × fsdp=8); use a multiple of 8.")
+    assert [line for line in plan_3b.splitlines() if line.startswith("EXIT")] == ["EXIT 2"] * 2
