@@ -257,8 +257,33 @@ def group_reward_variance(group_rewards: jax.Array, group_valid: jax.Array) -> j
     return jnp.where(spread & (n >= 2), var, 0.0)
 
 
-def _top_k_positive(scores: jax.Array, k: int | None) -> jax.Array:
-    """[X] -> [X] bool: the k largest strictly positive scores; ties go to the lower index."""
+def segment_reward_variance(
+    rewards: jax.Array,  # [N]
+    group_ids: jax.Array,  # [N] int; -1 marks a padding sample
+    num_groups: int,
+) -> jax.Array:  # [G] float32
+    """`group_reward_variance` for samples that name their group instead of sitting in a [G, M]
+    table (the train step's layout, where a group's members may sit anywhere in the batch).
+
+    Same exact-zero rule: 0 for groups with < 2 samples or no reward spread.
+    """
+    r = rewards.astype(jnp.float32)
+    ok = (group_ids >= 0) & (group_ids < num_groups)
+    ids = jnp.where(ok, group_ids, 0)
+    seg = lambda x: jax.ops.segment_sum(jnp.where(ok, x, 0.0), ids, num_groups)
+    n = seg(jnp.ones_like(r))
+    mean = seg(r) / jnp.maximum(n, 1.0)
+    var = seg((r - mean[ids]) ** 2) / jnp.maximum(n, 1.0)
+    hi = jax.ops.segment_max(jnp.where(ok, r, -jnp.inf), ids, num_groups)
+    lo = jax.ops.segment_min(jnp.where(ok, r, jnp.inf), ids, num_groups)
+    return jnp.where((hi > lo) & (n >= 2), var, 0.0)
+
+
+def top_k_positive(scores: jax.Array, k: int | None) -> jax.Array:
+    """[X] -> [X] bool: the k largest strictly positive scores; ties go to the lower index.
+
+    k is static (None: all); zero, negative and NaN scores are never kept.
+    """
     k = scores.shape[0] if k is None else min(k, scores.shape[0])
     if k <= 0:
         return jnp.zeros(scores.shape, bool)
@@ -272,7 +297,7 @@ def select_groups(group_rewards: jax.Array, group_valid: jax.Array, k: int | Non
     Zero-variance groups are never kept (their advantages are all 0); k >= G or k=None keeps
     every group with a non-zero variance. k is static.
     """
-    return _top_k_positive(group_reward_variance(group_rewards, group_valid), k)
+    return top_k_positive(group_reward_variance(group_rewards, group_valid), k)
 
 
 def select_agents(
@@ -290,7 +315,7 @@ def select_agents(
     ids = jnp.where(ok, group_agent, 0)
     total = jax.ops.segment_sum(jnp.where(ok, variances, 0.0), ids, num_agents)
     count = jax.ops.segment_sum(ok.astype(jnp.float32), ids, num_agents)
-    return _top_k_positive(total / jnp.maximum(count, 1.0), k)
+    return top_k_positive(total / jnp.maximum(count, 1.0), k)
 
 
 def sample_weights(kept: jax.Array, group_ids: jax.Array) -> jax.Array:

@@ -1,0 +1,261 @@
+"""The jitted GRPO step: all agents at once, the marginal-benefit top-K mask, mu inner steps.
+
+Batch layout. Each agent group has a `Rollouts` of per-agent samples [A, B, T] (row a holds agent
+a's nodes, padded to B samples and T tokens). Every sample names its node group with a batch-wide
+id in [0, G) (-1 for padding samples), and `group_agent [G]` names the global agent (see
+`train_state.agent_offsets`) that owns each node group; all samples of a node group sit in its
+owner's row. So advantages, reward variances and the top-K choice span every node group of every
+agent in every group, and are computed inside jit with a static K.
+
+One step:
+  1. advantages per node group, top-K node groups (or agents) by reward variance, per-sample
+     weights and the per-agent update mask;
+  2. a forward of the reference policies (logp_ref, when beta > 0);
+  3. mu optimizer steps over the same batch (`lax.scan`), each agent vmapped, unselected agents
+     keeping params and optimizer state bit for bit. logp_old is the first inner step's own
+     forward (taken before any update, so it is the rollout policy's log-prob) and is kept for
+     the later inner steps: no extra forward pass;
+  4. a non-finite loss or gradient in any inner step drops the whole step (counted).
+
+Sharded: `make_grpo_step(cfg, in_shardings=(state_sh, batch_shardings(batch, mesh)),
+out_shardings=(state_sh, None))` with `state_sh = train_state.state_shardings(state, mesh)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Literal
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from joyagents_jax import grpo
+from joyagents_jax import train_state as ts
+from joyagents_jax.models import qwen2
+from joyagents_jax.sft import next_token_logits
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOStepConfig:
+    """Step hyperparameters; frozen, so the jitted step can close over it."""
+
+    loss: grpo.GRPOConfig = grpo.GRPOConfig()
+    inner_steps: int = 2  # mu: optimizer steps per rollout batch
+    topk: int | None = None  # None keeps every node group with reward spread (plain GRPO)
+    select: Literal["groups", "agents"] = "groups"
+    advantage: Literal["std", "no_std", "loo"] = "std"
+
+
+@flax.struct.dataclass
+class Rollouts:
+    """One agent group's samples. Per-token arrays are aligned with `tokens`."""
+
+    tokens: jax.Array  # [A, B, T] int32: context and the agent's output, padded
+    mask: jax.Array  # [A, B, T] bool: real tokens; RoPE positions are cumsum(mask) - 1
+    loss_mask: jax.Array  # [A, B, T] bool: tokens this agent generated
+    sampler_logp: jax.Array  # [A, B, T] f32: the sampler's log-prob of each generated token
+    rewards: jax.Array  # [A, B] f32
+    group_ids: jax.Array  # [A, B] int32: node group in [0, G); -1 marks a padding sample
+
+
+@flax.struct.dataclass
+class GRPOBatch:
+    rollouts: dict[str, Rollouts]  # one entry per agent group of the state
+    group_agent: jax.Array  # [G] int32: global owner agent of each node group; -1 pads
+
+
+# ----------------------------------------------------------------------------------------------
+# Marginal benefit: advantages, kept node groups, sample weights, agents to update.
+# ----------------------------------------------------------------------------------------------
+
+
+def _flat(rollouts: dict[str, Rollouts], field: str) -> jax.Array:
+    """A per-sample field of every group, concatenated in sorted group order. -> [N]."""
+    return jnp.concatenate([getattr(rollouts[n], field).reshape(-1) for n in sorted(rollouts)])
+
+
+def _unflat(flat: jax.Array, rollouts: dict[str, Rollouts]) -> dict[str, jax.Array]:
+    """The inverse of `_flat`: [N] -> {group: [A, B]}."""
+    out, start = {}, 0
+    for name in sorted(rollouts):
+        shape = rollouts[name].rewards.shape
+        out[name] = flat[start:start + shape[0] * shape[1]].reshape(shape)
+        start += shape[0] * shape[1]
+    return out
+
+
+def marginal_benefit(batch: GRPOBatch, num_agents: int, cfg: GRPOStepConfig
+                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Node-group reward variances [G], the kept node groups [G] bool (top-K by variance, or
+    the groups of the top-K agents) and the agents to update [A] bool (owners of a kept group).
+
+    Groups without an owner (padding) get variance 0, so they are never kept.
+    """
+    owner = batch.group_agent
+    var = grpo.segment_reward_variance(_flat(batch.rollouts, "rewards"),
+                                       _flat(batch.rollouts, "group_ids"), owner.shape[0])
+    var = jnp.where(owner >= 0, var, 0.0)
+    if cfg.select == "groups":
+        kept = grpo.top_k_positive(var, cfg.topk)
+    elif cfg.select == "agents":
+        chosen = grpo.select_agents(var, owner, num_agents, cfg.topk)
+        kept = chosen[jnp.maximum(owner, 0)] & (var > 0)
+    else:
+        raise ValueError(f"unknown select {cfg.select!r}; expected groups or agents")
+    return var, kept, grpo.agent_update_mask(kept, owner, num_agents)
+
+
+def advantages(batch: GRPOBatch, cfg: GRPOStepConfig) -> dict[str, jax.Array]:
+    """Group-relative advantage of every sample: {group: [A, B]}."""
+    adv = grpo.group_advantages(_flat(batch.rollouts, "rewards"),
+                                _flat(batch.rollouts, "group_ids"),
+                                batch.group_agent.shape[0], mode=cfg.advantage)
+    return _unflat(adv, batch.rollouts)
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-agent quantities (each function sees one agent; the step vmaps it).
+# ----------------------------------------------------------------------------------------------
+
+
+def _logprobs(model: qwen2.Qwen2Config, params: qwen2.Params, tokens: jax.Array,
+              mask: jax.Array) -> jax.Array:
+    """log pi(tokens[:, 1:]) under params. tokens, mask: [B, T] -> [B, T-1]."""
+    return grpo.token_logprobs(next_token_logits(model, params, tokens, mask), tokens[:, 1:])
+
+
+def _masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
+    return grpo.safe_divide(jnp.sum(jnp.where(mask, x, 0.0)), jnp.sum(mask))
+
+
+def agent_loss(model: qwen2.Qwen2Config, cfg: grpo.GRPOConfig,
+               first: jax.Array,  # [] bool: the first inner step, before any update
+               params: qwen2.Params,
+               logp_old: jax.Array,  # [B, T-1]; ignored when `first`
+               tokens: jax.Array,  # [B, T]
+               mask: jax.Array,  # [B, T]
+               targets: jax.Array,  # [B, T-1] bool: loss_mask[:, 1:]
+               logp_ref: jax.Array | None,  # [B, T-1]
+               adv: jax.Array,  # [B]
+               weights: jax.Array,  # [B]
+               ) -> tuple[jax.Array, tuple[dict[str, jax.Array], jax.Array]]:
+    """One agent's GRPO loss, its metrics (entropy over all its generated tokens) and logp_old.
+
+    In the first inner step the params are still the rollout policy's, so logp_old is this
+    forward's own log-prob (without gradient).
+    """
+    logits = next_token_logits(model, params, tokens, mask)
+    logp = grpo.token_logprobs(logits, tokens[:, 1:])
+    logp_old = jnp.where(first, jax.lax.stop_gradient(logp), logp_old)
+    loss, metrics = grpo.grpo_loss(logp, logp_old, logp_ref, adv, targets, weights, cfg)
+    del metrics["denom"]
+    entropy = grpo.token_entropy(jax.lax.stop_gradient(logits))
+    return loss, ({**metrics, "entropy": _masked_mean(entropy, targets)}, logp_old)
+
+
+def _reduce_inner(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """[mu, A] per inner step -> [A]: the max for ratio_max, the mean otherwise."""
+    return {k: v.max(0) if k == "ratio_max" else v.mean(0) for k, v in metrics.items()}
+
+
+# ----------------------------------------------------------------------------------------------
+# The step.
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_batch(state: ts.TrainState, batch: GRPOBatch) -> None:
+    if set(batch.rollouts) != set(state.groups):
+        raise ValueError(f"GRPO batch groups {sorted(batch.rollouts)} differ from the state's "
+                         f"{sorted(state.groups)}; every agent group needs a Rollouts entry.")
+    for name, group in state.groups.items():
+        if batch.rollouts[name].tokens.shape[0] != group.num_agents:
+            raise ValueError(f"Rollouts of group {name!r} have agent axis "
+                             f"{batch.rollouts[name].tokens.shape[0]}, the group has "
+                             f"{group.num_agents} agents.")
+
+
+def _reference_logprobs(group: ts.AgentGroup, r: Rollouts, beta: float) -> jax.Array | None:
+    """logp_ref of every sample [A, B, T-1], or None when the KL term is off."""
+    if not beta:
+        return None
+    if group.ref_params is None:
+        raise ValueError("beta > 0 needs reference params; see train_state.set_reference.")
+    return jax.vmap(functools.partial(_logprobs, group.model))(group.ref_params, r.tokens, r.mask)
+
+
+def _inner_step(cfg: GRPOStepConfig, inputs: dict, updates: dict[str, jax.Array], carry,
+                first: jax.Array):
+    """One optimizer step of every agent on the whole batch (the body of the mu-step scan).
+
+    carry: ({group: AgentGroup}, {group: logp_old [A, B, T-1]}); first: [] bool.
+    Returns the new carry and ({group: metrics [A]}, [] bool all losses and gradients finite).
+    """
+    groups, logp_old = carry
+    new_groups, new_old, metrics, ok = {}, {}, {}, jnp.array(True)
+    for name, group in groups.items():
+        loss_fn = functools.partial(agent_loss, group.model, cfg.loss, first)
+        grad_fn = jax.vmap(jax.value_and_grad(loss_fn, has_aux=True))
+        (loss, (metrics[name], new_old[name])), grads = grad_fn(
+            group.params, logp_old[name], *inputs[name])
+        metrics[name]["grad_norm"] = norms = ts.global_norms(grads)
+        new_groups[name] = ts.apply_gradients(group, grads, updates[name])
+        ok &= jnp.all(jnp.isfinite(loss) & jnp.isfinite(norms))
+    return (new_groups, new_old), (metrics, ok)
+
+
+def grpo_step(state: ts.TrainState, batch: GRPOBatch, cfg: GRPOStepConfig
+              ) -> tuple[ts.TrainState, dict]:
+    """One GRPO update of every agent; see the module docstring.
+
+    Metrics: {"kept_groups", "mixed_groups", "updated_agents", "skipped": [],
+              "agents": {group: {loss, pg_loss, kl_loss, kl, clip_frac, ratio_mean, ratio_max,
+                                 entropy, grad_norm, kept_groups, updated, mean_reward,
+                                 logprob_gap: [A]}}}.
+    Loss metrics are means over the inner steps (ratio_max: the max).
+    """
+    _check_batch(state, batch)
+    offsets, total = ts.agent_offsets(state.groups), ts.num_agents(state.groups)
+    var, kept, update = marginal_benefit(batch, total, cfg)
+    adv = advantages(batch, cfg)
+    owned = jax.ops.segment_sum(kept.astype(jnp.int32), jnp.maximum(batch.group_agent, 0), total)
+
+    inputs, targets, updates, logp_old, agents = {}, {}, {}, {}, {}
+    for name, group in state.groups.items():
+        r = batch.rollouts[name]
+        rows = slice(offsets[name], offsets[name] + group.num_agents)
+        targets[name] = r.loss_mask[..., 1:].astype(bool)
+        inputs[name] = (r.tokens, r.mask, targets[name],
+                        _reference_logprobs(group, r, cfg.loss.beta), adv[name],
+                        grpo.sample_weights(kept, r.group_ids))
+        updates[name] = update[rows]
+        logp_old[name] = jnp.zeros(targets[name].shape, jnp.float32)  # set by the first step
+        agents[name] = {"kept_groups": owned[rows], "updated": update[rows],
+                        "mean_reward": jax.vmap(_masked_mean)(r.rewards, r.group_ids >= 0)}
+
+    body = functools.partial(_inner_step, cfg, inputs, updates)
+    first = jnp.arange(cfg.inner_steps) == 0
+    (groups, logp_old), (inner, oks) = jax.lax.scan(body, (state.groups, logp_old), first)
+    ok = jnp.all(oks)
+    for name in state.groups:
+        gap = jnp.abs(batch.rollouts[name].sampler_logp[..., 1:] - logp_old[name])
+        agents[name] = {**_reduce_inner(inner[name]), **agents[name],
+                        "logprob_gap": jax.vmap(_masked_mean)(gap, targets[name])}
+    metrics = {"kept_groups": jnp.sum(kept), "mixed_groups": jnp.sum(var > 0),
+               "updated_agents": jnp.sum(update), "skipped": ~ok, "agents": agents}
+    return ts.commit(state, groups, ok), metrics
+
+
+def batch_shardings(batch: GRPOBatch, mesh: Mesh) -> GRPOBatch:
+    """Rollouts split over agents and samples; the small `group_agent` table replicated."""
+    return GRPOBatch(rollouts=ts.agent_batch_shardings(batch.rollouts, mesh),
+                     group_agent=NamedSharding(mesh, P()))
+
+
+def make_grpo_step(cfg: GRPOStepConfig, *, in_shardings=None, out_shardings=None):
+    """`grpo_step` jitted with the state donated; shardings as in `train_state.jit_step`."""
+    return ts.jit_step(functools.partial(grpo_step, cfg=cfg), in_shardings=in_shardings,
+                       out_shardings=out_shardings)

@@ -1,0 +1,324 @@
+"""Tests for joyagents_jax.grpo_step: selection over the batch, the masked all-agents step, and
+learning on a toy bandit."""
+
+import functools
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from joyagents_jax import grpo, sharding
+from joyagents_jax import grpo_step as gs
+from joyagents_jax import train_state as ts
+from joyagents_jax.models import qwen2
+
+SUB = qwen2.Qwen2Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=1,
+                        num_heads=4, num_kv_heads=2)
+MASTER = SUB.replace(hidden_size=48, intermediate_size=96, tie_embeddings=False)
+# Adam's eps is 1e-4, not 1e-8: the key bias gradient is 0 up to rounding (a bias on every key
+# shifts a query's scores equally, and softmax ignores that), and a tiny eps would blow rounding
+# noise, which differs between sharded and unsharded runs, up to a full-size step.
+OPTIM = ts.OptimConfig(learning_rate=1e-2, schedule="constant", weight_decay=0.01, eps=1e-4)
+
+# A hand-built batch: agent 0 is the master (its own group), agents 1-3 are the sub-agents.
+# Node groups and their population reward variances:
+#   g0 master [1, 0, 1, 0] .25 | g1 sub0 [1, 1] 0 | g2 sub0 [0, 2] 1 | g3 sub1 [0, 1, 2, 3] 1.25
+#   g4 sub2 [0, .5] .0625 (plus two padding samples) | g5 a padding group.
+GROUP_AGENT = np.array([0, 1, 1, 2, 3, -1])
+GROUP_IDS = {"master": [[0, 0, 0, 0]],
+             "subs": [[1, 1, 2, 2], [3, 3, 3, 3], [4, 4, -1, -1]]}
+REWARDS = {"master": [[1, 0, 1, 0]],
+           "subs": [[1, 1, 0, 2], [0, 1, 2, 3], [0, 0.5, 0, 0]]}
+VARIANCES = [0.25, 0.0, 1.0, 1.25, 0.0625, 0.0]
+PROMPT, OUTPUT = 4, 4
+
+
+def _rollouts(name: str, seed: int) -> gs.Rollouts:
+    """Prompt (left padded on row 1) + OUTPUT generated tokens; padding samples are all pad."""
+    ids = np.array(GROUP_IDS[name], np.int32)
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, SUB.vocab_size, ids.shape + (PROMPT + OUTPUT,))
+    mask = np.ones(tokens.shape, bool)
+    mask[:, 1, :2] = False
+    mask[ids < 0] = False
+    loss_mask = np.zeros(tokens.shape, bool)
+    loss_mask[..., PROMPT:] = mask[..., PROMPT:]
+    return gs.Rollouts(tokens=jnp.asarray(tokens, jnp.int32), mask=jnp.asarray(mask),
+                       loss_mask=jnp.asarray(loss_mask),
+                       sampler_logp=jnp.zeros(tokens.shape, jnp.float32),
+                       rewards=jnp.asarray(REWARDS[name], jnp.float32), group_ids=jnp.asarray(ids))
+
+
+def _batch() -> gs.GRPOBatch:
+    return gs.GRPOBatch({"master": _rollouts("master", 0), "subs": _rollouts("subs", 1)},
+                        jnp.asarray(GROUP_AGENT, jnp.int32))
+
+
+def _leaves(tree, agent: int) -> list[np.ndarray]:
+    return [np.asarray(x)[agent] for x in jax.tree.leaves(tree)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Selection and advantages over the whole batch.
+# ----------------------------------------------------------------------------------------------
+
+
+def test_segment_reward_variance_matches_the_table_version():
+    rng = np.random.default_rng(0)
+    table = rng.integers(0, 3, (6, 5)).astype(np.float32)
+    table[1] = 1.0  # no spread
+    valid = rng.uniform(size=table.shape) < 0.8
+    valid[2] = [True, False, False, False, False]  # a singleton
+    ids = np.where(valid, np.arange(6)[:, None], -1).reshape(-1)
+    order = rng.permutation(ids.size)  # members anywhere in the batch
+    got = grpo.segment_reward_variance(table.reshape(-1)[order], ids[order], 6)
+    want = grpo.group_reward_variance(table, valid)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert got[1] == 0.0 and got[2] == 0.0
+
+
+@pytest.mark.parametrize("select, k, kept", [
+    ("groups", 2, [3, 2]),
+    ("groups", None, [0, 2, 3, 4]),  # K = all: every group with reward spread
+    ("groups", 50, [0, 2, 3, 4]),
+    ("agents", 1, [3]),  # mean group variance per agent: .25, .5, 1.25, .0625
+    ("agents", 2, [2, 3]),  # agent 1's zero-variance g1 stays out
+])
+def test_select_spans_every_agent_group(select, k, kept):
+    cfg = gs.GRPOStepConfig(topk=k, select=select)
+    var, got_kept, update = jax.jit(gs.marginal_benefit, static_argnums=(1, 2))(_batch(), 4, cfg)
+    np.testing.assert_allclose(var, VARIANCES, rtol=1e-6)
+    np.testing.assert_array_equal(np.nonzero(got_kept)[0], sorted(kept))
+    np.testing.assert_array_equal(np.nonzero(update)[0], sorted(set(GROUP_AGENT[kept])))
+
+
+def test_advantages_are_per_node_group():
+    adv = gs.advantages(_batch(), gs.GRPOStepConfig(advantage="no_std"))
+    np.testing.assert_allclose(adv["master"], [[0.5, -0.5, 0.5, -0.5]])
+    np.testing.assert_allclose(adv["subs"], [[0, 0, -1, 1], [-1.5, -0.5, 0.5, 1.5],
+                                             [-0.25, 0.25, 0, 0]])
+
+
+# ----------------------------------------------------------------------------------------------
+# The step.
+# ----------------------------------------------------------------------------------------------
+
+STEP_CFG = gs.GRPOStepConfig(topk=2, inner_steps=2)
+
+
+def _random_params(cfg: qwen2.Qwen2Config, num_agents: int, seed: int) -> qwen2.Params:
+    """Stacked random params made in NumPy: no init to compile, in the test or the subprocess."""
+    rng = np.random.default_rng(seed)
+
+    def leaf(path, spec):
+        shape = (num_agents, *spec.shape)
+        if jax.tree_util.keystr(path).endswith("['scale']"):
+            return jnp.ones(shape)
+        return jnp.asarray(0.02 * rng.standard_normal(shape), jnp.float32)
+
+    return jax.tree_util.tree_map_with_path(leaf, qwen2.param_shapes(cfg))
+
+
+def _fresh_state() -> ts.TrainState:
+    return ts.create({"subs": ts.init_group(SUB, OPTIM, _random_params(SUB, 3, 0)),
+                      "master": ts.init_group(MASTER, OPTIM, _random_params(MASTER, 1, 1))},
+                     jax.random.key(2))
+
+
+@pytest.fixture
+def state():
+    """A fresh state per test: the step donates it."""
+    return _fresh_state()
+
+
+@pytest.fixture(scope="module")
+def step():
+    return gs.make_grpo_step(STEP_CFG)
+
+
+def test_step_updates_exactly_the_selected_agents(state, step):
+    before = jax.tree.map(np.asarray, state.groups)
+
+    state, metrics = step(state, _batch())
+
+    # K = 2 keeps g3 (agent 2 = subs row 1) and g2 (agent 1 = subs row 0).
+    assert (int(metrics["kept_groups"]), int(metrics["updated_agents"])) == (2, 2)
+    assert int(metrics["mixed_groups"]) == 4 and not bool(metrics["skipped"])
+    assert (int(state.step), int(state.skipped)) == (1, 0)
+    subs, master = metrics["agents"]["subs"], metrics["agents"]["master"]
+    np.testing.assert_array_equal(subs["updated"], [True, True, False])
+    np.testing.assert_array_equal(master["updated"], [False])
+    np.testing.assert_array_equal(subs["kept_groups"], [1, 1, 0])
+    np.testing.assert_allclose(subs["mean_reward"], [1.0, 1.5, 0.25])
+    # Sampler log-probs are 0 here and the fresh policies are near uniform: |0 - logp| ~ ln 32.
+    np.testing.assert_allclose(subs["logprob_gap"], np.log(32), rtol=0.02)
+    np.testing.assert_allclose(master["logprob_gap"], np.log(32), rtol=0.02)
+    for agent_metrics in (subs, master):
+        assert all(np.all(np.isfinite(v)) for v in agent_metrics.values())
+    assert np.all(subs["grad_norm"][:2] > 0) and subs["grad_norm"][2] == 0
+    assert np.all(subs["kl"][:2] > 0)  # the second inner step moved away from the reference
+
+    after = jax.tree.map(np.asarray, state.groups)
+    for name, row in [("master", 0), ("subs", 2)]:  # unselected: bit for bit
+        for old, new in zip(_leaves((before[name].params, before[name].opt_state), row),
+                            _leaves((after[name].params, after[name].opt_state), row)):
+            assert old.tobytes() == new.tobytes()
+    # Selected: every parameter moved, except maybe the key bias (its gradient is 0 up to
+    # rounding, see OPTIM).
+    for row in (0, 1):
+        for (path, old), new in zip(jax.tree_util.tree_leaves_with_path(before["subs"].params),
+                                    jax.tree.leaves(after["subs"].params)):
+            name = jax.tree_util.keystr(path)
+            if name != "['layers']['attn']['k']['bias']":
+                assert not np.array_equal(old[row], new[row]), name
+
+
+def test_non_finite_loss_skips_the_whole_step(state, step):
+    params = state.groups["subs"].params
+    poisoned = params["embed"].at[0].set(jnp.inf)  # a selected agent diverged
+    state = state.replace(groups=dict(state.groups, subs=state.groups["subs"].replace(
+        params={**params, "embed": poisoned})))
+    before = jax.tree.map(np.asarray, state.groups)
+
+    state, metrics = step(state, _batch())
+
+    assert bool(metrics["skipped"])
+    assert (int(state.step), int(state.skipped)) == (0, 1)
+    after = jax.tree.map(np.asarray, state.groups)
+    for old, new in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
+        assert old.tobytes() == new.tobytes()
+
+
+def test_bad_batches_fail_with_a_clear_message(state):
+    trace = lambda state, batch: jax.eval_shape(  # traces the step, compiles nothing
+        functools.partial(gs.grpo_step, cfg=STEP_CFG), state, batch)
+    batch = _batch()
+    with pytest.raises(ValueError, match="every agent group needs a Rollouts entry"):
+        trace(state, batch.replace(rollouts={"subs": batch.rollouts["subs"]}))
+    three = jax.tree.map(lambda x: jnp.concatenate([x] * 3), batch.rollouts["master"])
+    with pytest.raises(ValueError, match="'master' have agent axis 3, the group has 1 agents"):
+        trace(state, batch.replace(rollouts={**batch.rollouts, "master": three}))
+    unfrozen = state.groups["master"].replace(ref_params=None)
+    with pytest.raises(ValueError, match="beta > 0 needs reference params"):
+        trace(state.replace(groups={**state.groups, "master": unfrozen}), batch)
+
+
+# ----------------------------------------------------------------------------------------------
+# Learning: a bandit where each agent must emit its own target token after its prompts.
+# ----------------------------------------------------------------------------------------------
+
+BANDIT_AGENTS, PROMPTS, GROUP_SIZE, TARGETS = 3, 4, 8, np.array([5, 11, 17])
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _sample(model, params, prompts, key):
+    """One token per prompt from the current policies. prompts [A, B, P] -> tokens [A, B, P+1]
+    and the sampler's log-prob of each token (aligned, 0 on the prompt)."""
+    def one(p, prompt, k):
+        logits = qwen2.forward(model, p, prompt).logits[:, -1]
+        tok = jax.random.categorical(k, logits)
+        logp = jnp.take_along_axis(jax.nn.log_softmax(logits), tok[:, None], -1)
+        return tok, logp[:, 0]
+
+    tok, logp = jax.vmap(one)(params, prompts, jax.random.split(key, prompts.shape[0]))
+    tokens = jnp.concatenate([prompts, tok[..., None]], -1)
+    logps = jnp.concatenate([jnp.zeros(prompts.shape), logp[..., None]], -1)
+    return tokens, logps
+
+
+def test_grpo_raises_the_reward_on_a_bandit():
+    """Reward 1 when an agent's generated token is its target (chance 1/32 at the start).
+
+    K = 6 of the 12 node groups, so this also trains through the marginal-benefit mask. The
+    sampler and the trainer run the same params, so their log-prob gap (~0) shows that logp_old
+    is taken before the first update.
+    """
+    cfg = gs.GRPOStepConfig(topk=BANDIT_AGENTS * PROMPTS // 2, inner_steps=2,
+                            loss=grpo.GRPOConfig(beta=0.0))
+    state = ts.create({"subs": ts.init_group(SUB, OPTIM, _random_params(SUB, BANDIT_AGENTS, 3))},
+                      jax.random.key(42))
+    step = gs.make_grpo_step(cfg)
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(0, SUB.vocab_size, (BANDIT_AGENTS, PROMPTS, 3))
+    prompts = jnp.asarray(np.repeat(prompts, GROUP_SIZE, axis=1), jnp.int32)  # [A, B, 3]
+    group_ids = np.arange(BANDIT_AGENTS * PROMPTS).repeat(GROUP_SIZE).reshape(BANDIT_AGENTS, -1)
+    group_agent = jnp.arange(BANDIT_AGENTS).repeat(PROMPTS)
+    loss_mask = jnp.zeros(prompts.shape[:2] + (4,), bool).at[..., -1].set(True)
+
+    rewards, gaps = [], []
+    for _ in range(20):
+        rng_key, key = jax.random.split(state.rng)
+        state = state.replace(rng=rng_key)
+        tokens, logp = _sample(SUB, state.groups["subs"].params, prompts, key)
+        reward = (tokens[..., -1] == TARGETS[:, None]).astype(jnp.float32)
+        batch = gs.GRPOBatch({"subs": gs.Rollouts(
+            tokens=tokens, mask=jnp.ones(tokens.shape, bool), loss_mask=loss_mask,
+            sampler_logp=logp, rewards=reward, group_ids=jnp.asarray(group_ids, jnp.int32))},
+            group_agent)
+        state, metrics = step(state, batch)
+        rewards.append(np.asarray(metrics["agents"]["subs"]["mean_reward"]))
+        gaps.append(np.asarray(metrics["agents"]["subs"]["logprob_gap"]))
+    rewards = np.array(rewards)  # [steps, agents]
+
+    assert rewards[:3].mean() < 0.1
+    assert np.all(rewards[-3:].mean(0) > 0.8)
+    assert np.max(gaps) < 1e-4
+    assert int(state.skipped) == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Sharded on 8 fake CPU devices (a subprocess: the device count is fixed when JAX starts).
+# ----------------------------------------------------------------------------------------------
+
+
+MESH = "data=2,fsdp=2,tensor=2"
+
+
+def sharded_step(out: str) -> None:
+    """Runs in the 8-device subprocess: one sharded step from `_fresh_state`, saved to `out`."""
+    jax.config.update("jax_default_matmul_precision", "highest")
+    mesh = sharding.make_mesh(MESH)
+    state, batch = _fresh_state(), _batch()
+    state_sh = ts.state_shardings(state, mesh)
+    step = gs.make_grpo_step(STEP_CFG, in_shardings=(state_sh, gs.batch_shardings(batch, mesh)),
+                             out_shardings=(state_sh, None))
+    state, metrics = step(jax.device_put(state, state_sh), batch)
+    q = state.groups["subs"].params["layers"]["attn"]["q"]["kernel"]
+    np.savez(out, **_flat_step(state, metrics), q_spec=str(q.sharding.spec),
+             q_shard=q.addressable_shards[0].data.shape)
+
+
+def _flat_step(state: ts.TrainState, metrics: dict) -> dict[str, np.ndarray]:
+    tree = {"params": {n: g.params for n, g in state.groups.items()},
+            "opt_state": {n: g.opt_state for n, g in state.groups.items()}, "metrics": metrics}
+    leaves = jax.tree_util.tree_leaves_with_path(jax.device_get(tree))
+    return {jax.tree_util.keystr(path): np.asarray(x) for path, x in leaves}
+
+
+def test_sharded_step_matches_unsharded(step, tmp_path):
+    out = str(tmp_path / "sharded.npz")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # Backend optimization level 0 halves the compile; it changes code generation, not how
+    # the program is partitioned, which is what this test checks.
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS":
+           "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"}
+    code = f"from tests.test_grpo_step import sharded_step; sharded_step({out!r})"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    got = dict(np.load(out))
+
+    want = _flat_step(*step(_fresh_state(), _batch()))
+    assert str(got.pop("q_spec")) == str(P("agent", None, "fsdp", "tensor"))
+    assert got.pop("q_shard").tolist() == [3, 1, 16, 2, 8]  # [A, L, D / fsdp, N / tensor, Hd]
+    assert sorted(got) == sorted(want)
+    # An update moves params by about lr = 1e-2 (1e-1 of their scale): a sharding bug shows up
+    # orders of magnitude above this rounding-level bound.
+    for name, w in want.items():
+        scale = max(float(np.max(np.abs(w))), 1e-30)
+        assert np.max(np.abs(got[name].astype(np.float64) - w)) / scale < 1e-4, name

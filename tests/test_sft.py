@@ -1,0 +1,124 @@
+"""Tests for joyagents_jax.sft: the teacher-forced loss and the all-agents SFT step."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from joyagents_jax import sft
+from joyagents_jax import train_state as ts
+from joyagents_jax.models import qwen2
+
+SUB = qwen2.Qwen2Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=1,
+                        num_heads=4, num_kv_heads=2)
+MASTER = SUB.replace(hidden_size=48, intermediate_size=96, tie_embeddings=False)
+OPTIM = ts.OptimConfig(learning_rate=1e-2, schedule="constant", warmup_steps=5)
+PROMPT, OUTPUT, SEQS = 4, 5, 4
+
+
+def _demos(num_agents: int, seed: int, silent: tuple[int, ...] = ()) -> sft.SFTBatch:
+    """SEQS fixed demonstrations per agent: a 4-token prompt that starts with a unique
+    (agent, sequence) id, then OUTPUT uniformly random target tokens, then one pad token.
+
+    Agents in `silent` have no target tokens (an all-zero loss mask)."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, SUB.vocab_size, (num_agents, SEQS, PROMPT + OUTPUT + 1))
+    tokens[:, :, 0] = np.arange(num_agents * SEQS).reshape(num_agents, SEQS)
+    tokens[:, :, -1] = 0
+    mask = np.ones(tokens.shape, bool)
+    mask[:, :, -1] = False  # right padding: never a target, never attended by targets
+    loss_mask = np.zeros(tokens.shape, bool)
+    loss_mask[:, :, PROMPT:PROMPT + OUTPUT] = True
+    loss_mask[list(silent)] = False
+    return sft.SFTBatch(jnp.asarray(tokens, jnp.int32), jnp.asarray(mask), jnp.asarray(loss_mask))
+
+
+def _reference_ce(model, params, data: sft.SFTBatch, agent: int) -> float:
+    """Cross-entropy from a plain forward over the full sequence, in NumPy."""
+    p = jax.tree.map(lambda x: x[agent], params)
+    tokens, mask, loss_mask = (np.asarray(x[agent]) for x in (data.tokens, data.mask,
+                                                               data.loss_mask))
+    logits = np.asarray(qwen2.forward(model, p, jnp.asarray(tokens), mask=jnp.asarray(mask)).logits,
+                        np.float64)
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    terms = [-logp[b, t - 1, tokens[b, t]] for b, t in zip(*np.nonzero(loss_mask))]
+    return float(np.mean(terms))
+
+
+def _random_params(cfg: qwen2.Qwen2Config, num_agents: int, seed: int) -> qwen2.Params:
+    """Stacked random params made in NumPy (N(0, 0.02) weights, unit scales): no init compile."""
+    rng = np.random.default_rng(seed)
+
+    def leaf(path, spec):
+        shape = (num_agents, *spec.shape)
+        if jax.tree_util.keystr(path).endswith("['scale']"):
+            return jnp.ones(shape)
+        return jnp.asarray(0.02 * rng.standard_normal(shape), jnp.float32)
+
+    return jax.tree_util.tree_map_with_path(leaf, qwen2.param_shapes(cfg))
+
+
+@pytest.fixture
+def state():
+    """A fresh state per test: the step donates it."""
+    groups = {"subs": ts.init_group(SUB, OPTIM, _random_params(SUB, 3, 0)),
+              "master": ts.init_group(MASTER, OPTIM, _random_params(MASTER, 1, 1))}
+    return ts.create(groups, jax.random.key(2))
+
+
+@pytest.fixture(scope="module")
+def step():
+    return sft.make_sft_step()
+
+
+def test_sft_memorizes_each_agents_demonstrations(state, step):
+    batch = {"subs": _demos(3, seed=0, silent=(2,)), "master": _demos(1, seed=1)}
+    host = lambda tree: jax.tree.map(np.asarray, tree)
+    start = host(state.groups)
+    state, metrics = step(state, batch)
+    first = host(metrics["agents"])
+    for _ in range(49):
+        state, metrics = step(state, batch)
+    last = host(metrics["agents"])
+
+    # The first step's loss is the teacher-forced CE of the initial params.
+    for name, agent in [("subs", 0), ("subs", 1), ("master", 0)]:
+        want = _reference_ce(state.groups[name].model, start[name].params, batch[name], agent)
+        np.testing.assert_allclose(first[name]["loss"][agent], want, rtol=1e-5)
+    np.testing.assert_array_equal(first["subs"]["tokens"], [SEQS * OUTPUT] * 2 + [0])
+
+    # Bound: with init std 0.02 the logits start near 0, so the loss starts near ln(32) = 3.47.
+    # Targets are uniformly random, so a model that ignores the prefix cannot go much below the
+    # targets' empirical unigram entropy (about 2.6 nats for 20 draws from 32 tokens); each
+    # prompt starts with a unique id, so the targets are a function of the prefix and the floor is
+    # 0. A 100x drop (< 0.035 nats/token, p(target) > 0.96 on average) therefore needs every
+    # agent to memorize its own demonstrations; 50 AdamW steps at 1e-2 reach ~0.005.
+    for name, agent in [("subs", 0), ("subs", 1), ("master", 0)]:
+        assert first[name]["loss"][agent] > 3.0
+        assert last[name]["loss"][agent] < first[name]["loss"][agent] / 100
+        assert last[name]["accuracy"][agent] == 1.0
+    assert int(state.step) == 50 and int(state.skipped) == 0
+
+    # The agent without target tokens was never updated: params and Adam state bit for bit.
+    now = host(state.groups["subs"])
+    for old, new in zip(jax.tree.leaves((start["subs"].params, start["subs"].opt_state)),
+                        jax.tree.leaves((now.params, now.opt_state)), strict=True):
+        assert old[2].tobytes() == new[2].tobytes()
+
+
+def test_sft_skips_a_non_finite_step(state, step):
+    poisoned = state.groups["master"].params["embed"].at[0, 3].set(jnp.nan)
+    groups = dict(state.groups, master=state.groups["master"].replace(
+        params={**state.groups["master"].params, "embed": poisoned}))
+    state = state.replace(groups=groups)
+    before = jax.tree.map(np.asarray, state.groups)
+    batch = {"subs": _demos(3, seed=0), "master": _demos(1, seed=1)}
+    # The master reads token 3, whose embedding is now NaN.
+    batch["master"] = batch["master"].replace(tokens=batch["master"].tokens.at[0, 0, 1].set(3))
+
+    state, metrics = step(state, batch)
+
+    assert bool(metrics["skipped"]) and int(state.skipped) == 1 and int(state.step) == 0
+    after = jax.tree.map(np.asarray, state.groups)
+    for old, new in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
+        assert old.tobytes() == new.tobytes()
