@@ -10,11 +10,11 @@
 # environment:
 #   PYTHON  the interpreter (default: python)
 #   ENTRY   the command each process runs (default: "$PYTHON -m joyagents_jax.cli", i.e.
-#           `joyagents`); e.g. ENTRY="python -m joyagents_jax.distributed" runs the cluster check
+#           `joyagents`); e.g. `check-cluster` runs the cluster check
 # Each process gets JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID, JAX_PLATFORMS=cpu
 # and XLA_FLAGS with the device count; its output lines are prefixed [pI]. If any process fails,
 # the others are stopped and the script exits with that status.
-# example: ENTRY="python -m joyagents_jax.distributed" launch/multiprocess_cpu.sh -n 2 -d 4
+# example: launch/multiprocess_cpu.sh -n 2 -d 4 check-cluster
 set -euo pipefail
 
 procs=2 devices=2 port=""
