@@ -32,28 +32,31 @@ def _tokenizer(argv: list[str]) -> int:
     return 0
 
 
-def _plan(argv: list[str]) -> int:
-    from joyagents_jax import plan
+def _lazy(module: str) -> Callable[[list[str]], int]:
+    """A handler that imports `joyagents_jax.<module>` only when run, then calls its main."""
+    def run(argv: list[str]) -> int:
+        import importlib
 
-    return plan.main(argv)
-
-
-def _check_cluster(argv: list[str]) -> int:
-    from joyagents_jax import distributed
-
-    return distributed.main(argv)
+        return importlib.import_module(f"joyagents_jax.{module}").main(argv)
+    return run
 
 
 COMMANDS: dict[str, Command] = {
+    "train": Command("SFT warm start then JoyAgents-R1 GRPO (default: the embedded config)",
+                     _lazy("train")),
+    "eval": Command("held-out accuracy of a run, with and without memory", _lazy("evaluate")),
+    "export": Command("every agent as a Hugging Face folder, plus the memory", _lazy("export")),
+    "plot": Command("PNG plots of a run's metrics", _lazy("plots")),
     "tokenizer": Command("build the Qwen2.5 tokenizer folder offline", _tokenizer),
-    "plan": Command("per-device memory dry run of a config on a mesh (no weights)", _plan),
+    "plan": Command("per-device memory dry run of a config on a mesh (no weights)",
+                    _lazy("plan")),
     "check-cluster": Command("initialize jax.distributed and verify all processes agree",
-                             _check_cluster),
+                             _lazy("distributed")),
 }
 
 
 def usage() -> str:
-    rows = "\n".join(f"  {name:<12}{cmd.summary}" for name, cmd in COMMANDS.items())
+    rows = "\n".join(f"  {name:<15}{cmd.summary}" for name, cmd in COMMANDS.items())
     return (f"usage: joyagents SUBCOMMAND [ARGS...]\n\nsubcommands:\n{rows}\n\n"
             "`joyagents SUBCOMMAND --help` describes a subcommand's arguments.")
 

@@ -47,7 +47,8 @@ class GRPOStepConfig:
     inner_steps: int = 2  # mu: optimizer steps per rollout batch
     topk: int | None = None  # None keeps every node group with reward spread (plain GRPO)
     select: Literal["groups", "agents"] = "groups"
-    advantage: Literal["std", "no_std", "loo"] = "std"
+    # "given": rewards already are advantages (trajectory-mode rollouts normalize per episode).
+    advantage: Literal["std", "no_std", "loo", "given"] = "std"
 
 
 @flax.struct.dataclass
@@ -111,6 +112,8 @@ def marginal_benefit(batch: GRPOBatch, num_agents: int, cfg: GRPOStepConfig
 
 def advantages(batch: GRPOBatch, cfg: GRPOStepConfig) -> dict[str, jax.Array]:
     """Group-relative advantage of every sample: {group: [A, B]}."""
+    if cfg.advantage == "given":
+        return {n: jnp.where(r.group_ids >= 0, r.rewards, 0.0) for n, r in batch.rollouts.items()}
     adv = grpo.group_advantages(_flat(batch.rollouts, "rewards"),
                                 _flat(batch.rollouts, "group_ids"),
                                 batch.group_agent.shape[0], mode=cfg.advantage)

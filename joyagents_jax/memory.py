@@ -344,6 +344,10 @@ class MemoryHook:
                        for g, m in models.items()}
         self.stats = collections.Counter()  # lookups, reuses, hints since the last update
 
+    def set_state(self, state) -> None:
+        """Embeds with `state`'s reference params from now on (a train step donates the old)."""
+        self.models = group_models(state)
+
     def lookup(self, requests: Sequence[Request]) -> list[rollout.Reuse | protocol.Hint | None]:
         out: list[rollout.Reuse | protocol.Hint | None] = [None] * len(requests)
         by_agent = collections.defaultdict(list)
@@ -486,8 +490,12 @@ def from_experiment(exp, state) -> MemoryHook:
                        reuse_min_reward=m.reuse_min_reward, tau_dup=m.tau_dup, z=m.z,
                        best_reward=exp.rollout_config().rewards.best_memory_reward,
                        decay_steps=m.decay_steps)
-    models = {g: GroupModel(group.model, group.ref_params) for g, group in state.groups.items()}
-    return MemoryHook(exp.system, exp.tokenizer, models, exp.slots, cfg)
+    return MemoryHook(exp.system, exp.tokenizer, group_models(state), exp.slots, cfg)
+
+
+def group_models(state) -> dict[str, GroupModel]:
+    """Each agent group's model config and frozen reference params (the embedder)."""
+    return {g: GroupModel(group.model, group.ref_params) for g, group in state.groups.items()}
 
 
 def _hit_records(hits: Sequence[tuple[int, float]]) -> HitRecords:

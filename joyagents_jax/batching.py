@@ -1,0 +1,105 @@
+"""Host-side batch assembly: demonstrations and rollout samples -> padded [A, B, T] arrays.
+
+Each agent group of the train state gets arrays with its agent axis first; a row holds one
+(context, output) sequence, right padded. B is rounded up to a power of two and T to a multiple
+of LENGTH_STEP, so a run compiles its train steps a bounded number of times.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from joyagents_jax import grpo_step, rollout, sft
+from joyagents_jax.sampling import bucket
+
+AgentSlots = Mapping[str, tuple[str, int]]  # agent -> (group name, row in the group)
+LENGTH_STEP = 64  # T is rounded up to a multiple: at most max_len / 64 shapes, little padding
+
+
+class Sequences:
+    """Per agent group, [A, B, T] token arrays being filled row by row."""
+
+    def __init__(self, group_sizes: Mapping[str, int], rows: Mapping[str, int], length: int):
+        self.arrays = {g: {"tokens": np.zeros((a, rows[g], length), np.int32),
+                           "mask": np.zeros((a, rows[g], length), bool),
+                           "loss_mask": np.zeros((a, rows[g], length), bool),
+                           "logp": np.zeros((a, rows[g], length), np.float32)}
+                       for g, a in group_sizes.items()}
+
+    def put(self, group: str, agent: int, row: int, context: Sequence[int], output: Sequence[int],
+            logp: Sequence[float] | None = None) -> None:
+        a = self.arrays[group]
+        n, m = len(context), len(output)
+        a["tokens"][agent, row, :n + m] = list(context) + list(output)
+        a["mask"][agent, row, :n + m] = True
+        a["loss_mask"][agent, row, n:n + m] = True
+        if logp is not None:
+            a["logp"][agent, row, n:n + m] = logp
+
+
+def _layout(items: Sequence[tuple[str, int]], slots: AgentSlots, group_sizes: Mapping[str, int],
+            max_len: int):
+    """Row of each item within its agent, rows per group (bucketed) and the bucketed length."""
+    counts: dict[str, int] = {}
+    rows = []
+    for agent, _ in items:
+        rows.append(counts.get(agent, 0))
+        counts[agent] = rows[-1] + 1
+    per_group = {g: bucket(max([counts.get(a, 0) for a, (gg, _) in slots.items() if gg == g] + [1]))
+                 for g in group_sizes}
+    longest = max([n for _, n in items] + [1])
+    if longest > max_len:
+        raise ValueError(f"A training sequence has {longest} tokens, more than max_len "
+                         f"{max_len}; raise the config's max sequence length or shorten prompts.")
+    return rows, per_group, min(-(-longest // LENGTH_STEP) * LENGTH_STEP, max_len)
+
+
+def sft_batch(demos: Sequence[tuple[str, Sequence[int], Sequence[int]]], slots: AgentSlots,
+              group_sizes: Mapping[str, int], max_len: int) -> dict[str, sft.SFTBatch]:
+    """(agent, context ids, output ids) demonstrations -> {group: SFTBatch [A, B, T]}."""
+    rows, per_group, length = _layout([(a, len(c) + len(o)) for a, c, o in demos], slots,
+                                      group_sizes, max_len)
+    seqs = Sequences(group_sizes, per_group, length)
+    for (agent, context, output), row in zip(demos, rows):
+        group, index = slots[agent]
+        seqs.put(group, index, row, context, output)
+    return {g: sft.SFTBatch(tokens=a["tokens"], mask=a["mask"], loss_mask=a["loss_mask"])
+            for g, a in seqs.arrays.items()}
+
+
+def grpo_batch(samples: Sequence[rollout.Sample], slots: AgentSlots,
+               group_sizes: Mapping[str, int], offsets: Mapping[str, int], max_len: int
+               ) -> grpo_step.GRPOBatch:
+    """Rollout samples -> a GRPOBatch: rewards and node-group ids per row, group owners.
+
+    Node group ids are renumbered densely in order of appearance and their count bucketed, so
+    `group_agent` has a bounded number of shapes; padding groups own no samples (-1).
+    """
+    rows, per_group, length = _layout(
+        [(s.agent, len(s.prompt_ids) + len(s.output_ids)) for s in samples], slots, group_sizes,
+        max_len)
+    seqs = Sequences(group_sizes, per_group, length)
+    rewards = {g: np.zeros((a, per_group[g]), np.float32) for g, a in group_sizes.items()}
+    group_ids = {g: np.full((a, per_group[g]), -1, np.int32) for g, a in group_sizes.items()}
+    dense: dict[int, int] = {}
+    owners: list[int] = []
+    for s, row in zip(samples, rows):
+        group, index = slots[s.agent]
+        seqs.put(group, index, row, s.prompt_ids, s.output_ids, s.sampler_logp)
+        rewards[group][index, row] = s.reward
+        if s.group not in dense:
+            dense[s.group] = len(owners)
+            owners.append(offsets[group] + index)
+        elif owners[dense[s.group]] != offsets[group] + index:
+            raise ValueError(f"Node group {s.group} mixes agents; every sample of a group must "
+                             f"belong to one agent.")
+        group_ids[group][index, row] = dense[s.group]
+    group_agent = np.full(bucket(len(owners)), -1, np.int32)
+    group_agent[:len(owners)] = owners
+    roll = {g: grpo_step.Rollouts(tokens=a["tokens"], mask=a["mask"], loss_mask=a["loss_mask"],
+                                  sampler_logp=a["logp"], rewards=rewards[g],
+                                  group_ids=group_ids[g])
+            for g, a in seqs.arrays.items()}
+    return grpo_step.GRPOBatch(rollouts=roll, group_agent=group_agent)

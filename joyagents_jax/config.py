@@ -1,0 +1,83 @@
+"""The embedded default config (`joyagents train` with no --config) and config validation.
+
+Tiny Qwen2-architecture agents with the byte tokenizer on the built-in assistant suite: SFT warm
+start, then JoyAgents-R1 GRPO (node-wise sampling, top-K marginal benefit, memory), sized to
+learn on a 2-core laptop CPU in minutes. `experiments/configs/*.py` derive the other setups.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from joyagents_jax.agents import protocol
+
+SUB_AGENTS = ("qa", "efc", "gfc", "math")
+
+
+def get_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+    c.tokenizer = "bytes"  # "bytes", or a folder with an HF tokenizer (e.g. a Qwen2.5 checkpoint)
+    c.suite = "tiny"  # assistant suite config (assistant_suite.CONFIGS)
+    c.data_dir = ""  # where the suite is built; default: <workdir>/data
+    c.agents = (protocol.MASTER,) + SUB_AGENTS
+    # Agent groups: agents sharing an architecture are stacked and vmapped. model: a preset
+    # name (random init) unless checkpoint names an HF folder (weights and shape from there).
+    c.groups = ml_collections.ConfigDict({"all": {"agents": c.agents, "model": "tiny",
+                                                  "checkpoint": ""}})
+    c.param_dtype = "float32"
+    c.dtype = "float32"
+    c.remat = False
+    c.mesh = ""  # e.g. "fsdp=-1"; empty: a single device
+    c.max_len = 512  # longest training sequence (context + output), tokens
+
+    c.limits = ml_collections.ConfigDict(dict(max_nodes=8, max_tokens_per_node=96,
+                                              max_observation_chars=96))
+
+    c.sft = ml_collections.ConfigDict(dict(steps=400, batch_per_agent=16, learning_rate=3e-3,
+                                           warmup_steps=40, weight_decay=0.0, clip_norm=1.0))
+
+    c.grpo = ml_collections.ConfigDict(dict(
+        steps=40, queries=16, group_size=4, mode="nodewise", topk=0, select="groups",
+        inner_steps=2, beta=0.04, eps_low=0.2, eps_high=0.28, kl="k3",
+        aggregation="seq_mean_token_mean", advantage="std", learning_rate=3e-4, warmup_steps=5,
+        clip_norm=1.0, temperature=1.0, top_p=1.0, top_k=0, w_format=0.1, w_efficiency=0.05))
+
+    c.memory = ml_collections.ConfigDict(dict(
+        enabled=True, capacity=256, response_len=96, request_len=64, tau_reuse=0.995,
+        tau_hint=0.9, reuse_min_reward=1.0, tau_dup=0.995, z=1.96, decay_steps=50.0))
+
+    c.eval = ml_collections.ConfigDict(dict(every=20, examples=100, splits=("test", "test_novel")))
+    c.checkpoint = ml_collections.ConfigDict(dict(every=20, keep=3))
+    return c
+
+
+def validate(c: ml_collections.ConfigDict) -> None:
+    """Fails at start with a message that names the field and the fix."""
+    grouped = [a for g in c.groups.values() for a in g.agents]
+    if protocol.MASTER not in c.agents:
+        raise ValueError(f"config.agents must include {protocol.MASTER!r}; got {list(c.agents)}.")
+    unknown = [a for a in c.agents if a != protocol.MASTER and a not in SUB_AGENTS]
+    if unknown:
+        raise ValueError(f"config.agents has unknown agent(s) {unknown}; the suite's sub-agents "
+                         f"are {list(SUB_AGENTS)}.")
+    if sorted(grouped) != sorted(c.agents):
+        raise ValueError(f"config.groups must place every agent of config.agents exactly once: "
+                         f"groups hold {sorted(grouped)}, agents are {sorted(c.agents)}.")
+    g = c.grpo
+    if g.group_size < 2:
+        raise ValueError(f"config.grpo.group_size must be >= 2 (GRPO compares samples within a "
+                         f"group), got {g.group_size}.")
+    if g.topk < 0:
+        raise ValueError(f"config.grpo.topk must be >= 1 (keep the K most informative groups) "
+                         f"or 0 (keep all), got {g.topk}.")
+    if g.mode not in ("nodewise", "trajectory", "full_tree"):
+        raise ValueError(f"config.grpo.mode must be nodewise, trajectory or full_tree, got "
+                         f"{g.mode!r}.")
+    if g.select not in ("groups", "agents"):
+        raise ValueError(f"config.grpo.select must be groups or agents, got {g.select!r}.")
+    for name in ("steps", "queries", "inner_steps"):
+        if g[name] < (0 if name == "steps" else 1):
+            raise ValueError(f"config.grpo.{name} must be positive, got {g[name]}.")
+    if c.sft.steps < 0 or c.sft.batch_per_agent < 1:
+        raise ValueError("config.sft.steps must be >= 0 and config.sft.batch_per_agent >= 1.")

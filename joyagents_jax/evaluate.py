@@ -1,0 +1,79 @@
+"""`joyagents eval --workdir DIR [--step N]`: held-out accuracy of a trained run.
+
+Per-domain accuracy on `test` and `test_novel`, mean reward parts, LLM calls per query, memory
+hit rate, tokens and seconds per query, with and without the memory. Writes `eval_<step>.json`
+and `eval_<step>.md` into the workdir and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import ml_collections
+
+from joyagents_jax import checkpoint, experiment, train
+
+
+def load_run(workdir: str, step: int | None = None):
+    """(experiment, state, memory, step) restored from a workdir's config and checkpoint."""
+    path = os.path.join(workdir, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"{path} not found: is {workdir} the --workdir of a `joyagents train` run?")
+    with open(path) as f:
+        config = ml_collections.ConfigDict(json.load(f))
+    exp = experiment.Experiment(config, workdir)
+    ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"))
+    if ckpt.latest_step() is None:
+        raise ValueError(f"No checkpoint in {workdir}/checkpoints: train first.")
+    fresh = exp.init_state()
+    tree, meta = ckpt.restore(lambda m: train.abstract_tree(exp, fresh, m["phase"]), step)
+    state, memory = train.from_tree(exp, tree, meta["phase"])
+    return exp, state, memory, int(meta["step"])
+
+
+def table(results: dict[str, dict[str, float]]) -> str:
+    """Markdown: one row per (split, memory), accuracy per domain and the cost columns."""
+    domains = sorted({k.split("/")[-1] for r in results.values() for k in r
+                      if "/accuracy/" in k})
+    head = ["run", "accuracy", *domains, "reward", "LLM calls/query", "memory hit rate",
+            "tokens/query", "s/query"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, r in results.items():
+        p = "/".join(next(iter(r)).split("/")[:2])  # eval/<split>
+        cells = [name, f"{r[f'{p}/accuracy']:.3f}"]
+        cells += [f"{r.get(f'{p}/accuracy/{d}', float('nan')):.3f}" for d in domains]
+        cells += [f"{r[f'{p}/total']:.3f}", f"{r[f'{p}/llm_calls_per_query']:.2f}",
+                  f"{r[f'{p}/memory_hit_rate']:.3f}", f"{r[f'{p}/tokens_per_query']:.1f}",
+                  f"{r[f'{p}/seconds_per_query']:.3f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="joyagents eval", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workdir", required=True)
+    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    parser.add_argument("--examples", type=int, default=0, help="per split (0: all)")
+    args = parser.parse_args(argv)
+    try:
+        exp, state, memory, step = load_run(args.workdir, args.step)
+    except ValueError as e:
+        print(f"joyagents eval: {e}", file=sys.stderr)
+        return 2
+    results = {}
+    for split in ("test", "test_novel"):
+        for name, mem in (("memory", memory), ("no memory", None)):
+            if name == "memory" and memory is None:
+                continue
+            results[f"{split}, {name}"] = exp.evaluate(state, split, args.examples or None, mem)
+    out = os.path.join(args.workdir, f"eval_{step}")
+    with open(out + ".json", "w") as f:
+        json.dump(results, f, indent=2)
+    md = table(results)
+    with open(out + ".md", "w") as f:
+        f.write(md + "\n")
+    print(md)
+    return 0

@@ -1,0 +1,252 @@
+"""Everything a run is built from a config: tokenizer, suite, agent system, state, steps.
+
+`Experiment` owns no mutable training state: `sft_step`, `grpo_step` and `evaluate` take the
+`TrainState` (and memory) and return new ones, so the train loop, checkpoints and resume see
+every piece of state explicitly. Randomness derives from (seed, step), so a resumed run draws
+exactly what an uninterrupted one draws.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Sequence
+
+import jax
+import ml_collections
+import numpy as np
+
+from joyagents_jax import batching, grpo, grpo_step, rollout, sft
+from joyagents_jax import config as config_lib
+from joyagents_jax import rewards as rw
+from joyagents_jax import train_state as ts
+from joyagents_jax.agents import protocol, system
+from joyagents_jax.data import assistant_suite as suite
+from joyagents_jax.models import hf_io, presets, qwen2
+from joyagents_jax.sampling import Sampler, SamplingConfig
+from joyagents_jax.tokenizers import load_tokenizer
+
+
+def task_of(ex: suite.Example) -> rollout.Task:
+    return rollout.Task(ex.query, ex.answer, ex.answer_kind, ex.min_llm_calls)
+
+
+class Experiment:
+    def __init__(self, config: ml_collections.ConfigDict, workdir: str):
+        config_lib.validate(config)
+        self.config, self.workdir = config, workdir
+        self.tokenizer = load_tokenizer(config.tokenizer)
+        self.sources = suite.load_suite(config.suite, config.data_dir or f"{workdir}/data")
+        self.system = system.make_system(suite.suite_world(config.suite),
+                                         agents=[a for a in config.agents if a != protocol.MASTER],
+                                         limits=system.Limits(**config.limits))
+        self.slots = {a: (g, i) for g, spec in config.groups.items()
+                      for i, a in enumerate(spec.agents)}
+        self.models = {g: self._model(spec) for g, spec in config.groups.items()}
+        for g, m in self.models.items():
+            if m.vocab_size < self.tokenizer.vocab_size:
+                raise ValueError(f"config.groups.{g}: the model's vocabulary ({m.vocab_size}) is "
+                                 f"smaller than the tokenizer's ({self.tokenizer.vocab_size}); "
+                                 f"use the checkpoint's own tokenizer (config.tokenizer).")
+        self.group_sizes = {g: len(spec.agents) for g, spec in config.groups.items()}
+        self.offsets = ts.agent_offsets({g: _Sized(n) for g, n in self.group_sizes.items()})
+        self.samplers = {g: Sampler(m, pad_id=self.tokenizer.pad_id, tokenizer=self.tokenizer)
+                         for g, m in self.models.items()}
+        self.demos = self._demonstrations()
+        self._sft_step = sft.make_sft_step()
+        self._grpo_step = grpo_step.make_grpo_step(self._grpo_config())
+
+    # -- construction ------------------------------------------------------------------------
+
+    def _model(self, spec) -> qwen2.Qwen2Config:
+        kw = dict(param_dtype=self.config.param_dtype, dtype=self.config.dtype,
+                  remat=self.config.remat)
+        if spec.checkpoint:
+            return hf_io.config_from_hf(spec.checkpoint, **kw)
+        return presets.get_preset(spec.model, **kw)
+
+    def _optim(self, lr, warmup, steps, clip) -> ts.OptimConfig:
+        return ts.OptimConfig(learning_rate=lr, schedule="cosine" if steps > warmup else "constant",
+                              warmup_steps=warmup, total_steps=max(steps, warmup + 1),
+                              clip_norm=clip)
+
+    def sft_optim(self) -> ts.OptimConfig:
+        s = self.config.sft
+        return self._optim(s.learning_rate, s.warmup_steps, s.steps, s.clip_norm)
+
+    def grpo_optim(self) -> ts.OptimConfig:
+        g = self.config.grpo
+        return ts.OptimConfig(learning_rate=g.learning_rate, schedule="constant",
+                              warmup_steps=g.warmup_steps, clip_norm=g.clip_norm)
+
+    def init_state(self) -> ts.TrainState:
+        """Random or checkpoint-loaded agents, SFT optimizer, reference = initial params."""
+        key = jax.random.key(self.config.seed)
+        groups = {}
+        for i, (g, spec) in enumerate(sorted(self.config.groups.items())):
+            model, n = self.models[g], len(spec.agents)
+            if spec.checkpoint:
+                params, _ = hf_io.load_params(spec.checkpoint, model)
+                stacked = ts.stack_agents([params] * n)
+                groups[g] = ts.init_group(model, self.sft_optim(), stacked)
+            else:
+                groups[g] = ts.init_random_group(model, self.sft_optim(), n,
+                                                 jax.random.fold_in(key, i))
+        return ts.create(groups, jax.random.fold_in(key, 1_000_003))
+
+    def start_grpo(self, state: ts.TrainState) -> ts.TrainState:
+        """After SFT: freeze the reference policy and switch to the GRPO optimizer."""
+        groups = {n: ts.init_group(g.model, self.grpo_optim(), g.params)
+                  for n, g in state.groups.items()}
+        return state.replace(groups=groups)
+
+    def _grpo_config(self) -> grpo_step.GRPOStepConfig:
+        g = self.config.grpo
+        loss = grpo.GRPOConfig(eps_low=g.eps_low, eps_high=g.eps_high, beta=g.beta, kl=g.kl,
+                               aggregation=g.aggregation,
+                               max_len=self.config.limits.max_tokens_per_node)
+        advantage = "given" if g.mode == "trajectory" else g.advantage
+        return grpo_step.GRPOStepConfig(loss=loss, inner_steps=g.inner_steps,
+                                        topk=g.topk or None, select=g.select, advantage=advantage)
+
+    def _demonstrations(self) -> dict[str, list[tuple[list[int], list[int]]]]:
+        """Per agent, (context ids, output ids) of every node of every train gold trajectory."""
+        demos = collections.defaultdict(list)
+        source = self.sources["train"]
+        for i in range(len(source)):
+            ex = suite.decode(source[i])
+            episode = system.demonstration(self.system, ex.query, [n.output for n in ex.gold])
+            for node in episode.nodes:
+                prompt = protocol.render_prompt(self.tokenizer, self.system.specs[node.agent],
+                                                node.query, node.turns)
+                demos[node.agent].append((self.tokenizer.encode(prompt),
+                                          self.tokenizer.encode(node.output)))
+        return demos
+
+    # -- steps -------------------------------------------------------------------------------
+
+    def sft_step(self, state: ts.TrainState, step: int) -> tuple[ts.TrainState, dict]:
+        rng = np.random.default_rng([self.config.seed, step])
+        batch = []
+        for agent in self.config.agents:
+            pool = self.demos[agent]
+            for j in rng.integers(0, len(pool), self.config.sft.batch_per_agent):
+                batch.append((agent, *pool[j]))
+        arrays = batching.sft_batch(batch, self.slots, self.group_sizes, self.config.max_len)
+        state, m = self._sft_step(state, arrays)
+        metrics = self._per_agent(m["agents"], "sft")
+        metrics["sft/loss"] = float(np.mean([metrics[f"sft/loss/{a}"] for a in self.config.agents]))
+        return state, metrics
+
+    def train_tasks(self, step: int) -> list[rollout.Task]:
+        """The step's queries: a seeded permutation of train per epoch, read in order."""
+        source, q = self.sources["train"], self.config.grpo.queries
+        out = []
+        for k in range(step * q, (step + 1) * q):
+            epoch, pos = divmod(k, len(source))
+            order = np.random.default_rng([self.config.seed, 7, epoch]).permutation(len(source))
+            out.append(task_of(suite.decode(source[int(order[pos])])))
+        return out
+
+    def policy(self, params: dict, key: jax.Array, greedy: bool = False) -> rollout.SamplerPolicy:
+        g = self.config.grpo
+        scfg = SamplingConfig(self.config.limits.max_tokens_per_node, temperature=g.temperature,
+                              top_k=g.top_k, top_p=g.top_p, greedy=greedy)
+        policy = rollout.SamplerPolicy(self.samplers, self.slots, scfg, self.tokenizer, key)
+        policy.params = params
+        return policy
+
+    def rollout_config(self) -> rollout.RolloutConfig:
+        g = self.config.grpo
+        return rollout.RolloutConfig(g.mode, g.group_size,
+                                     rw.RewardConfig(w_format=g.w_format, w_efficiency=g.w_efficiency))
+
+    def grpo_step(self, state: ts.TrainState, step: int, memory=None
+                  ) -> tuple[ts.TrainState, dict, rollout.RolloutResult]:
+        """Rollout with the current policies -> one GRPO update of every selected agent."""
+        start = time.perf_counter()
+        if memory is not None:
+            memory.set_state(state)
+        key = jax.random.fold_in(jax.random.key(self.config.seed), 2_000_003 + step)
+        policy = self.policy({g: grp.params for g, grp in state.groups.items()}, key)
+        tasks = self.train_tasks(step)
+        result = rollout.Rollout(self.system, self.tokenizer, policy, self.rollout_config(),
+                                 memory).run(tasks)
+        rollout_seconds = time.perf_counter() - start
+        batch = batching.grpo_batch(result.samples, self.slots, self.group_sizes, self.offsets,
+                                    self.config.max_len)
+        state, m = self._grpo_step(state, batch)
+        if memory is not None:
+            memory.set_state(state)
+        metrics = self._per_agent(m["agents"], "grpo")
+        metrics.update({f"grpo/{k}": float(m[k]) for k in ("kept_groups", "mixed_groups",
+                                                            "updated_agents", "skipped")})
+        metrics.update(self._rollout_metrics(result, rollout_seconds))
+        metrics["grpo/accuracy"] = float(np.mean([r.r_answer for r in result.rewards]))
+        metrics["grpo/reward"] = float(np.mean([r.total for r in result.rewards]))
+        metrics["time/step_seconds"] = time.perf_counter() - start
+        return state, metrics, result
+
+    def _per_agent(self, agents: dict, prefix: str) -> dict[str, float]:
+        """{group: {metric: [A]}} -> {prefix/metric/agent: float}; mean_reward -> reward."""
+        out = {}
+        for g, metrics in agents.items():
+            for name, values in metrics.items():
+                key = "reward" if name == "mean_reward" else name
+                for i, agent in enumerate(self.config.groups[g].agents):
+                    out[f"{prefix}/{key}/{agent}"] = float(np.asarray(values)[i])
+        return out
+
+    def _rollout_metrics(self, result: rollout.RolloutResult, seconds: float) -> dict[str, float]:
+        c = result.counters
+        return {"rollout/sampler_calls": c.sampler_calls, "rollout/waves": c.waves,
+                "rollout/generated_tokens": c.generated_tokens, "rollout/llm_nodes": c.llm_nodes,
+                "rollout/alternatives": c.alternatives, "rollout/tool_calls": c.tool_calls,
+                "rollout/memory_hits": c.memory_hits, "rollout/memory_hints": c.memory_hints,
+                "rollout/seconds": seconds,
+                "rollout/tokens_per_second": c.generated_tokens / max(seconds, 1e-9)}
+
+    # -- evaluation --------------------------------------------------------------------------
+
+    def evaluate(self, state: ts.TrainState, split: str, examples: int | None = None,
+                 memory=None) -> dict[str, float]:
+        """Greedy episodes on a split: accuracy per domain, reward parts, cost per query."""
+        source = self.sources[split]
+        n = len(source) if not examples else min(examples, len(source))
+        exs = [suite.decode(source[i]) for i in range(n)]
+        policy = self.policy({g: grp.params for g, grp in state.groups.items()},
+                             jax.random.key(0), greedy=True)
+        start = time.perf_counter()
+        if memory is not None:
+            memory.set_state(state)
+        engine = rollout.Rollout(self.system, self.tokenizer, policy, self.rollout_config(), memory)
+        result = engine.episodes([task_of(e) for e in exs])
+        seconds = time.perf_counter() - start
+        return summarize(exs, result, seconds, f"eval/{split}")
+
+
+def summarize(exs: Sequence[suite.Example], result: rollout.RolloutResult, seconds: float,
+              prefix: str) -> dict[str, float]:
+    """Per-domain accuracy (R_A), mean reward parts, LLM calls, memory hits, cost per query."""
+    by_domain = collections.defaultdict(list)
+    for ex, parts in zip(exs, result.rewards):
+        by_domain[ex.domain].append(float(parts.r_answer))
+    n = len(exs)
+    out = {f"{prefix}/accuracy/{d}": float(np.mean(v)) for d, v in sorted(by_domain.items())}
+    out[f"{prefix}/accuracy"] = float(np.mean([float(p.r_answer) for p in result.rewards]))
+    for part in ("r_answer", "r_format", "r_efficiency", "total"):
+        out[f"{prefix}/{part}"] = float(np.mean([float(getattr(p, part)) for p in result.rewards]))
+    calls = [t.episode.llm_calls for t in result.episodes]
+    out[f"{prefix}/llm_calls_per_query"] = float(np.mean(calls))
+    out[f"{prefix}/memory_hit_rate"] = result.counters.memory_hits / max(
+        1, result.counters.memory_hits + sum(calls))
+    out[f"{prefix}/tokens_per_query"] = result.counters.generated_tokens / n
+    out[f"{prefix}/seconds_per_query"] = seconds / n
+    return out
+
+
+class _Sized:
+    """Stands in for an AgentGroup where only `num_agents` is read."""
+
+    def __init__(self, n: int):
+        self.num_agents = n

@@ -1,0 +1,73 @@
+"""`joyagents export --workdir DIR --out DIR`: every agent as a Hugging Face folder, plus memory.
+
+Writes `<out>/<agent>/` (config.json, generation_config.json, safetensors) that
+`transformers.AutoModelForCausalLM.from_pretrained` (or vLLM) loads, with the run's tokenizer
+files when it used an HF tokenizer, and `<out>/memory.jsonl` with the decoded memory entries.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+
+import jax
+
+from joyagents_jax import evaluate, memory as memory_lib
+from joyagents_jax.models import hf_io
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
+                    "special_tokens_map.json", "added_tokens.json")
+
+
+def export(workdir: str, out: str, step: int | None = None, dtype: str | None = None) -> list[str]:
+    """Exports the run's agents; returns the folders written."""
+    exp, state, memory, step = evaluate.load_run(workdir, step)
+    os.makedirs(out, exist_ok=True)
+    written = []
+    for agent, (group, index) in exp.slots.items():
+        g = state.groups[group]
+        params = jax.tree.map(lambda x: x[index], g.params)
+        folder = os.path.join(out, agent)
+        stops = list(exp.tokenizer.stop_ids)
+        hf_io.save_params(folder, g.model, params, dtype=dtype,
+                          generation_config={"eos_token_id": stops,
+                                             "pad_token_id": exp.tokenizer.pad_id})
+        _tokenizer_files(exp.config.tokenizer, folder)
+        written.append(folder)
+    if memory is not None:
+        memory_lib.dump(memory.agent_tables(), exp.tokenizer, os.path.join(out, "memory.jsonl"))
+    with open(os.path.join(out, "export.json"), "w") as f:
+        json.dump({"workdir": os.path.abspath(workdir), "step": step,
+                   "agents": sorted(exp.slots)}, f, indent=2)
+    return written
+
+
+def _tokenizer_files(spec: str, folder: str) -> None:
+    """Copies an HF tokenizer's files; the byte tokenizer is described in a small JSON file."""
+    if spec == "bytes":
+        with open(os.path.join(folder, "joyagents_tokenizer.json"), "w") as f:
+            json.dump({"type": "bytes", "note": "ids 0-255 are UTF-8 bytes; load with "
+                       "joyagents_jax.tokenizers.ByteTokenizer()"}, f, indent=2)
+        return
+    for name in _TOKENIZER_FILES:
+        if os.path.isfile(os.path.join(spec, name)):
+            shutil.copy(os.path.join(spec, name), folder)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="joyagents export", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workdir", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    parser.add_argument("--dtype", default=None, help="e.g. bfloat16 (default: as trained)")
+    args = parser.parse_args(argv)
+    try:
+        for folder in export(args.workdir, args.out, args.step, args.dtype):
+            print(f"wrote {folder}")
+    except ValueError as e:
+        print(f"joyagents export: {e}", file=sys.stderr)
+        return 2
+    return 0
