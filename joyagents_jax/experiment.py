@@ -35,14 +35,22 @@ class Experiment:
     def __init__(self, config: ml_collections.ConfigDict, workdir: str):
         config_lib.validate(config)
         self.config, self.workdir = config, workdir
-        self.tokenizer = load_tokenizer(config.tokenizer)
+        try:
+            self.tokenizer = load_tokenizer(config.tokenizer)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"config.tokenizer: {e}") from e
         self.sources = suite.load_suite(config.suite, config.data_dir or f"{workdir}/data")
         self.system = system.make_system(suite.suite_world(config.suite),
                                          agents=[a for a in config.agents if a != protocol.MASTER],
                                          limits=system.Limits(**config.limits))
         self.slots = {a: (g, i) for g, spec in config.groups.items()
                       for i, a in enumerate(spec.agents)}
-        self.models = {g: self._model(spec) for g, spec in config.groups.items()}
+        self.models = {}
+        for g, spec in config.groups.items():
+            try:
+                self.models[g] = self._model(spec)
+            except (OSError, ValueError) as e:
+                raise ValueError(f"config.groups.{g}: {e}") from e
         for g, m in self.models.items():
             if m.vocab_size < self.tokenizer.vocab_size:
                 raise ValueError(f"config.groups.{g}: the model's vocabulary ({m.vocab_size}) is "
