@@ -40,15 +40,15 @@ class Sequences:
 
 
 def _layout(items: Sequence[tuple[str, int]], slots: AgentSlots, group_sizes: Mapping[str, int],
-            max_len: int):
+            max_len: int, min_rows: int = 1):
     """Row of each item within its agent, rows per group (bucketed) and the bucketed length."""
     counts: dict[str, int] = {}
     rows = []
     for agent, _ in items:
         rows.append(counts.get(agent, 0))
         counts[agent] = rows[-1] + 1
-    per_group = {g: bucket(max([counts.get(a, 0) for a, (gg, _) in slots.items() if gg == g] + [1]))
-                 for g in group_sizes}
+    per_group = {g: bucket(max([counts.get(a, 0) for a, (gg, _) in slots.items() if gg == g]
+                               + [min_rows])) for g in group_sizes}
     longest = max([n for _, n in items] + [1])
     if longest > max_len:
         raise ValueError(f"A training sequence has {longest} tokens, more than max_len "
@@ -70,16 +70,17 @@ def sft_batch(demos: Sequence[tuple[str, Sequence[int], Sequence[int]]], slots: 
 
 
 def grpo_batch(samples: Sequence[rollout.Sample], slots: AgentSlots,
-               group_sizes: Mapping[str, int], offsets: Mapping[str, int], max_len: int
-               ) -> grpo_step.GRPOBatch:
+               group_sizes: Mapping[str, int], offsets: Mapping[str, int], max_len: int,
+               min_rows: int = 1) -> grpo_step.GRPOBatch:
     """Rollout samples -> a GRPOBatch: rewards and node-group ids per row, group owners.
 
-    Node group ids are renumbered densely in order of appearance and their count bucketed, so
+    B is at least `min_rows` (the mesh's data-parallel size, a power of two), so the batch
+    always splits evenly. Node group ids are renumbered densely in order of appearance and their count bucketed, so
     `group_agent` has a bounded number of shapes; padding groups own no samples (-1).
     """
     rows, per_group, length = _layout(
         [(s.agent, len(s.prompt_ids) + len(s.output_ids)) for s in samples], slots, group_sizes,
-        max_len)
+        max_len, min_rows)
     seqs = Sequences(group_sizes, per_group, length)
     rewards = {g: np.zeros((a, per_group[g]), np.float32) for g, a in group_sizes.items()}
     group_ids = {g: np.full((a, per_group[g]), -1, np.int32) for g, a in group_sizes.items()}

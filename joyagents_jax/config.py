@@ -28,14 +28,17 @@ def get_config() -> ml_collections.ConfigDict:
     c.param_dtype = "float32"
     c.dtype = "float32"
     c.remat = False
-    c.mesh = ""  # e.g. "fsdp=-1"; empty: a single device
+    c.mesh = ""  # e.g. "fsdp=-1" or "data=2,fsdp=4": state and batches sharded; "": one device
     c.max_len = 512  # longest training sequence (context + output), tokens
 
     c.limits = ml_collections.ConfigDict(dict(max_nodes=8, max_tokens_per_node=96,
                                               max_observation_chars=96))
 
-    c.sft = ml_collections.ConfigDict(dict(steps=400, batch_per_agent=16, learning_rate=3e-3,
-                                           warmup_steps=40, weight_decay=0.0, clip_norm=1.0))
+    # The first `shared_steps` SFT steps train one base policy on every agent's demonstrations
+    # (agents start equal and take the mean gradient), as real agents share a pretrained base.
+    c.sft = ml_collections.ConfigDict(dict(steps=400, shared_steps=0, batch_per_agent=16,
+                                           learning_rate=3e-3, warmup_steps=40, weight_decay=0.0,
+                                           clip_norm=1.0))
 
     c.grpo = ml_collections.ConfigDict(dict(
         steps=40, queries=16, group_size=4, mode="nodewise", topk=0, select="groups",
@@ -49,6 +52,29 @@ def get_config() -> ml_collections.ConfigDict:
 
     c.eval = ml_collections.ConfigDict(dict(every=20, examples=100, splits=("test", "test_novel")))
     c.checkpoint = ml_collections.ConfigDict(dict(every=20, keep=3))
+    return c
+
+
+def real_checkpoint_config(groups: dict[str, tuple[tuple[str, ...], str]]
+                           ) -> ml_collections.ConfigDict:
+    """Settings for real Qwen2.5 checkpoints: groups {name: (agents, HF folder)}.
+
+    bf16 with remat, sharded over all devices (fsdp), the chat template of the first group's
+    folder, longer nodes, small learning rates, larger memory.
+    """
+    c = get_config()
+    c.tokenizer = next(iter(groups.values()))[1]
+    c.groups = {name: {"agents": tuple(agents), "model": "", "checkpoint": folder}
+                for name, (agents, folder) in groups.items()}
+    c.param_dtype, c.dtype, c.remat, c.mesh = "bfloat16", "bfloat16", True, "fsdp=-1"
+    c.max_len = 2048
+    c.limits.update(max_nodes=8, max_tokens_per_node=256, max_observation_chars=512)
+    c.sft.update(steps=200, batch_per_agent=8, learning_rate=1e-5, warmup_steps=20)
+    c.grpo.update(steps=300, queries=32, group_size=8, learning_rate=1e-6, warmup_steps=10,
+                  topk=16)
+    c.memory.update(capacity=4096, response_len=256, request_len=256)
+    c.eval.update(every=50, examples=500)
+    c.checkpoint.update(every=25, keep=3)
     return c
 
 

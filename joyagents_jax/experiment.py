@@ -16,7 +16,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from joyagents_jax import batching, grpo, grpo_step, rollout, sft
+from joyagents_jax import batching, grpo, grpo_step, rollout, sft, sharding
 from joyagents_jax import config as config_lib
 from joyagents_jax import rewards as rw
 from joyagents_jax import train_state as ts
@@ -60,8 +60,15 @@ class Experiment:
         self.offsets = ts.agent_offsets({g: _Sized(n) for g, n in self.group_sizes.items()})
         self.samplers = {g: Sampler(m, pad_id=self.tokenizer.pad_id, tokenizer=self.tokenizer)
                          for g, m in self.models.items()}
+        self.mesh = sharding.make_mesh(config.mesh) if config.mesh else None
+        self.min_rows = sharding.data_parallel_size(dict(self.mesh.shape)) if self.mesh else 1
+        if config.sft.batch_per_agent % self.min_rows:
+            raise ValueError(f"config.sft.batch_per_agent {config.sft.batch_per_agent} is not "
+                             f"divisible by the mesh's data x fsdp size {self.min_rows}; use a "
+                             f"multiple of it.")
         self.demos = self._demonstrations()
         self._sft_step = sft.make_sft_step()
+        self._shared_sft_step = sft.make_sft_step(shared=True)
         self._grpo_step = grpo_step.make_grpo_step(self._grpo_config())
 
     # -- construction ------------------------------------------------------------------------
@@ -97,16 +104,32 @@ class Experiment:
                 params, _ = hf_io.load_params(spec.checkpoint, model)
                 stacked = ts.stack_agents([params] * n)
                 groups[g] = ts.init_group(model, self.sft_optim(), stacked)
+            elif self.config.sft.shared_steps:  # one base policy, copied to every agent
+                base = qwen2.init_params(model, jax.random.fold_in(key, i))
+                groups[g] = ts.init_group(model, self.sft_optim(), ts.stack_agents([base] * n))
             else:
                 groups[g] = ts.init_random_group(model, self.sft_optim(), n,
                                                  jax.random.fold_in(key, i))
-        return ts.create(groups, jax.random.fold_in(key, 1_000_003))
+        return self._place(ts.create(groups, jax.random.fold_in(key, 1_000_003)))
 
     def start_grpo(self, state: ts.TrainState) -> ts.TrainState:
         """After SFT: freeze the reference policy and switch to the GRPO optimizer."""
         groups = {n: ts.init_group(g.model, self.grpo_optim(), g.params)
                   for n, g in state.groups.items()}
-        return state.replace(groups=groups)
+        return self._place(state.replace(groups=groups))
+
+    def _place(self, state: ts.TrainState) -> ts.TrainState:
+        """The state in its partition-rule shardings on the mesh (as is without a mesh)."""
+        return state if self.mesh is None else jax.device_put(
+            state, ts.state_shardings(state, self.mesh))
+
+    def _place_batch(self, batch):
+        """Per-agent arrays split over agents and data-parallel devices; tables replicated."""
+        if self.mesh is None:
+            return batch
+        if isinstance(batch, grpo_step.GRPOBatch):
+            return jax.device_put(batch, grpo_step.batch_shardings(batch, self.mesh))
+        return jax.device_put(batch, ts.agent_batch_shardings(batch, self.mesh))
 
     def _grpo_config(self) -> grpo_step.GRPOStepConfig:
         g = self.config.grpo
@@ -141,7 +164,8 @@ class Experiment:
             for j in rng.integers(0, len(pool), self.config.sft.batch_per_agent):
                 batch.append((agent, *pool[j]))
         arrays = batching.sft_batch(batch, self.slots, self.group_sizes, self.config.max_len)
-        state, m = self._sft_step(state, arrays)
+        step_fn = self._shared_sft_step if step < self.config.sft.shared_steps else self._sft_step
+        state, m = step_fn(state, self._place_batch(arrays))
         metrics = self._per_agent(m["agents"], "sft")
         metrics["sft/loss"] = float(np.mean([metrics[f"sft/loss/{a}"] for a in self.config.agents]))
         return state, metrics
@@ -182,8 +206,8 @@ class Experiment:
                                  memory).run(tasks)
         rollout_seconds = time.perf_counter() - start
         batch = batching.grpo_batch(result.samples, self.slots, self.group_sizes, self.offsets,
-                                    self.config.max_len)
-        state, m = self._grpo_step(state, batch)
+                                    self.config.max_len, self.min_rows)
+        state, m = self._grpo_step(state, self._place_batch(batch))
         if memory is not None:
             memory.set_state(state)
         metrics = self._per_agent(m["agents"], "grpo")

@@ -46,9 +46,13 @@ def sft_loss(model: qwen2.Qwen2Config, params: qwen2.Params, tokens: jax.Array, 
     return loss, {"loss": loss, "accuracy": grpo.safe_divide(hits, count), "tokens": count}
 
 
-def sft_step(state: ts.TrainState, batch: Mapping[str, SFTBatch]
+def sft_step(state: ts.TrainState, batch: Mapping[str, SFTBatch], shared: bool = False
              ) -> tuple[ts.TrainState, dict]:
     """One AdamW step of every agent in `batch` (groups absent from it are left alone).
+
+    shared: every agent of a group takes the group's mean gradient, so agents that start equal
+    stay equal: one base policy learns from all agents' demonstrations (the role a common
+    pretrained checkpoint plays for real Qwen2.5 agents) before they specialize.
 
     An agent without target tokens keeps its params and optimizer state. A non-finite loss or
     gradient anywhere skips the whole step (counted in `state.skipped`).
@@ -60,13 +64,18 @@ def sft_step(state: ts.TrainState, batch: Mapping[str, SFTBatch]
         grad_fn = jax.value_and_grad(functools.partial(sft_loss, group.model), has_aux=True)
         (loss, metrics), grads = jax.vmap(grad_fn)(group.params, data.tokens, data.mask,
                                                    data.loss_mask)
+        if shared:
+            grads = jax.tree.map(lambda g: jnp.broadcast_to(g.mean(0), g.shape), grads)
         norms = ts.global_norms(grads)
-        groups[name] = ts.apply_gradients(group, grads, metrics["tokens"] > 0)
+        update = jnp.full_like(metrics["tokens"] > 0, jnp.any(metrics["tokens"] > 0)) if shared \
+            else metrics["tokens"] > 0
+        groups[name] = ts.apply_gradients(group, grads, update)
         ok &= jnp.all(jnp.isfinite(loss) & jnp.isfinite(norms))
         agents[name] = {**metrics, "grad_norm": norms}
     return ts.commit(state, groups, ok), {"skipped": ~ok, "agents": agents}
 
 
-def make_sft_step(*, in_shardings=None, out_shardings=None):
+def make_sft_step(*, shared: bool = False, in_shardings=None, out_shardings=None):
     """The jitted `sft_step` with the state donated; shardings as in `train_state.jit_step`."""
-    return ts.jit_step(sft_step, in_shardings=in_shardings, out_shardings=out_shardings)
+    return ts.jit_step(functools.partial(sft_step, shared=shared), in_shardings=in_shardings,
+                       out_shardings=out_shardings)

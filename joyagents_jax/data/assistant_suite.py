@@ -82,7 +82,13 @@ BASE = SuiteConfig(name="base", description="Larger world and pools, up to 3 ari
                    num_products=320, num_orders=192, num_cities=32, questions_per_domain=1000,
                    math_steps=(1, 3), max_operand=30, num_train=50_000, num_validation=1000,
                    num_test=1000, num_test_novel=1000)
-CONFIGS: Mapping[str, SuiteConfig] = {c.name: c for c in (TINY, BASE)}
+# The embedded CPU default trains five ~0.1M-parameter agents in minutes: a small world and small
+# question pools, so popular questions recur often (memorizable) while test_novel still needs
+# copying from observations; one arithmetic step.
+CPU = SuiteConfig(name="cpu", description="Embedded CPU default: small world and pools.",
+                  num_products=24, num_orders=16, num_cities=6, questions_per_domain=60,
+                  math_steps=(1, 1), max_operand=12, num_test_novel=50)
+CONFIGS: Mapping[str, SuiteConfig] = {c.name: c for c in (TINY, CPU, BASE)}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,7 +31,8 @@ PRESETS: dict[str, Qwen2Config] = {
     # Two heads of 32 (one kv head): the T x T attention work scales with the head count, and
     # on a 2-core CPU this trains ~1.4x faster than four heads of 16 at equal parameters.
     "tiny": Qwen2Config(vocab_size=264, hidden_size=64, intermediate_size=192, num_layers=2,
-                        num_heads=2, num_kv_heads=1, rope_theta=1e4, max_position_embeddings=1024),
+                        num_heads=2, num_kv_heads=1, rope_theta=1e4, max_position_embeddings=1024,
+                        scan_layers=False),
     # ~30M parameters: the sampler benchmark's mid size (byte vocabulary).
     "small-30m": Qwen2Config(vocab_size=264, hidden_size=512, intermediate_size=1536,
                              num_layers=9, num_heads=8, num_kv_heads=2, rope_theta=1e4,

@@ -53,6 +53,7 @@ class Qwen2Config:
     param_dtype: str = "float32"
     dtype: str = "float32"  # compute dtype; norms, softmax and logits are always f32
     remat: bool = False
+    scan_layers: bool = True  # lax.scan over layers (compile time flat in depth) or unrolled
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -285,7 +286,15 @@ def _layers(cfg: Qwen2Config, params: Params, tokens: jax.Array, positions: jax.
 
     if cfg.remat:
         body = jax.checkpoint(body, prevent_cse=False)
-    x, (k, v) = jax.lax.scan(body, x, (params["layers"], None if past is None else (past.k, past.v)))
+    layers = (params["layers"], None if past is None else (past.k, past.v))
+    if cfg.scan_layers:
+        x, (k, v) = jax.lax.scan(body, x, layers)
+    else:  # unrolled: faster for shallow models on CPU, same params layout
+        new = []
+        for i in range(cfg.num_layers):
+            x, kv = body(x, jax.tree.map(lambda a: a[i], layers))
+            new.append(kv)
+        k, v = (jnp.stack(t) for t in zip(*new))
     return rms_norm(x, params["final_norm"]["scale"], cfg.rms_norm_eps), k, v
 
 

@@ -30,6 +30,7 @@ def _torch_logits(model, tokens, mask):
 def test_logits_match_transformers_left_padded(hf_model):
     folder, model, kw = hf_model
     params, cfg = hf_io.load_params(folder)
+    cfg = cfg.replace(scan_layers=kw["layers"] != 3)  # both layer loops meet the reference
     tokens, mask = _left_padded(np.random.default_rng(0), kw["vocab"], [11, 7, 1, 4], 11)
     ours = np.asarray(qwen2.forward(cfg, params, jnp.asarray(tokens), mask=jnp.asarray(mask)).logits)
     ref = _torch_logits(model, tokens, mask)
@@ -52,10 +53,10 @@ def test_hidden_states_match_transformers(hf_model):
     np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("remat", [False, True])
-def test_prefill_then_decode_equals_full_forward(remat):
+@pytest.mark.parametrize("remat, scan", [(False, True), (True, True), (False, False)])
+def test_prefill_then_decode_equals_full_forward(remat, scan):
     cfg = qwen2.Qwen2Config(vocab_size=50, hidden_size=32, intermediate_size=64, num_layers=2,
-                            num_heads=4, num_kv_heads=2, remat=remat)
+                            num_heads=4, num_kv_heads=2, remat=remat, scan_layers=scan)
     params = qwen2.init_params(cfg, jax.random.key(0))
     params = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(jax.random.key(1), x.shape), params)
     tokens, mask = _left_padded(np.random.default_rng(2), 50, [9, 5, 2], 9)
