@@ -2,7 +2,8 @@
 
 Each agent group of the train state gets arrays with its agent axis first; a row holds one
 (context, output) sequence, right padded. B is rounded up to a power of two and T to a multiple
-of LENGTH_STEP, so a run compiles its train steps a bounded number of times.
+of LENGTH_STEP (or fixed at max_len), so a run compiles its train steps a bounded number of
+times: on a CPU each compile of a step costs as much as many steps.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class Sequences:
 
 
 def _layout(items: Sequence[tuple[str, int]], slots: AgentSlots, group_sizes: Mapping[str, int],
-            max_len: int, min_rows: int = 1):
+            max_len: int, min_rows: int = 1, fixed_len: bool = False):
     """Row of each item within its agent, rows per group (bucketed) and the bucketed length."""
     counts: dict[str, int] = {}
     rows = []
@@ -53,14 +54,16 @@ def _layout(items: Sequence[tuple[str, int]], slots: AgentSlots, group_sizes: Ma
     if longest > max_len:
         raise ValueError(f"A training sequence has {longest} tokens, more than max_len "
                          f"{max_len}; raise the config's max sequence length or shorten prompts.")
-    return rows, per_group, min(-(-longest // LENGTH_STEP) * LENGTH_STEP, max_len)
+    length = max_len if fixed_len else min(-(-longest // LENGTH_STEP) * LENGTH_STEP, max_len)
+    return rows, per_group, length
 
 
 def sft_batch(demos: Sequence[tuple[str, Sequence[int], Sequence[int]]], slots: AgentSlots,
-              group_sizes: Mapping[str, int], max_len: int) -> dict[str, sft.SFTBatch]:
+              group_sizes: Mapping[str, int], max_len: int, min_rows: int = 1,
+              fixed_len: bool = False) -> dict[str, sft.SFTBatch]:
     """(agent, context ids, output ids) demonstrations -> {group: SFTBatch [A, B, T]}."""
     rows, per_group, length = _layout([(a, len(c) + len(o)) for a, c, o in demos], slots,
-                                      group_sizes, max_len)
+                                      group_sizes, max_len, min_rows, fixed_len)
     seqs = Sequences(group_sizes, per_group, length)
     for (agent, context, output), row in zip(demos, rows):
         group, index = slots[agent]
@@ -71,7 +74,7 @@ def sft_batch(demos: Sequence[tuple[str, Sequence[int], Sequence[int]]], slots: 
 
 def grpo_batch(samples: Sequence[rollout.Sample], slots: AgentSlots,
                group_sizes: Mapping[str, int], offsets: Mapping[str, int], max_len: int,
-               min_rows: int = 1) -> grpo_step.GRPOBatch:
+               min_rows: int = 1, fixed_len: bool = False) -> grpo_step.GRPOBatch:
     """Rollout samples -> a GRPOBatch: rewards and node-group ids per row, group owners.
 
     B is at least `min_rows` (the mesh's data-parallel size, a power of two), so the batch
@@ -80,7 +83,7 @@ def grpo_batch(samples: Sequence[rollout.Sample], slots: AgentSlots,
     """
     rows, per_group, length = _layout(
         [(s.agent, len(s.prompt_ids) + len(s.output_ids)) for s in samples], slots, group_sizes,
-        max_len, min_rows)
+        max_len, min_rows, fixed_len)
     seqs = Sequences(group_sizes, per_group, length)
     rewards = {g: np.zeros((a, per_group[g]), np.float32) for g, a in group_sizes.items()}
     group_ids = {g: np.full((a, per_group[g]), -1, np.int32) for g, a in group_sizes.items()}

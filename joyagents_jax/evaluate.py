@@ -15,6 +15,7 @@ import sys
 import ml_collections
 
 from joyagents_jax import checkpoint, experiment, train
+from joyagents_jax import config as config_lib
 
 
 def load_run(workdir: str, step: int | None = None):
@@ -23,7 +24,7 @@ def load_run(workdir: str, step: int | None = None):
     if not os.path.isfile(path):
         raise ValueError(f"{path} not found: is {workdir} the --workdir of a `joyagents train` run?")
     with open(path) as f:
-        config = ml_collections.ConfigDict(json.load(f))
+        config = _merged(config_lib.get_config(), json.load(f))
     exp = experiment.Experiment(config, workdir)
     ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"))
     if ckpt.latest_step() is None:
@@ -32,6 +33,16 @@ def load_run(workdir: str, step: int | None = None):
     tree, meta = ckpt.restore(lambda m: train.abstract_tree(exp, fresh, m["phase"]), step)
     state, memory = train.from_tree(exp, tree, meta["phase"])
     return exp, state, memory, int(meta["step"])
+
+
+def _merged(base: ml_collections.ConfigDict, saved: dict) -> ml_collections.ConfigDict:
+    """The saved run config over today's defaults, so fields added since keep their default."""
+    for key, value in saved.items():
+        if isinstance(value, dict) and key != "groups" and isinstance(base.get(key), ml_collections.ConfigDict):
+            _merged(base[key], value)
+        else:
+            base[key] = value
+    return base
 
 
 def table(results: dict[str, dict[str, float]]) -> str:

@@ -58,7 +58,9 @@ class Experiment:
                                  f"use the checkpoint's own tokenizer (config.tokenizer).")
         self.group_sizes = {g: len(spec.agents) for g, spec in config.groups.items()}
         self.offsets = ts.agent_offsets({g: _Sized(n) for g, n in self.group_sizes.items()})
-        self.samplers = {g: Sampler(m, pad_id=self.tokenizer.pad_id, tokenizer=self.tokenizer)
+        self.samplers = {g: Sampler(m, pad_id=self.tokenizer.pad_id, tokenizer=self.tokenizer,
+                                    min_prompt_bucket=config.sampler.min_prompt_bucket,
+                                    min_batch_bucket=config.sampler.min_batch_bucket)
                          for g, m in self.models.items()}
         self.mesh = sharding.make_mesh(config.mesh) if config.mesh else None
         self.min_rows = sharding.data_parallel_size(dict(self.mesh.shape)) if self.mesh else 1
@@ -163,7 +165,8 @@ class Experiment:
             pool = self.demos[agent]
             for j in rng.integers(0, len(pool), self.config.sft.batch_per_agent):
                 batch.append((agent, *pool[j]))
-        arrays = batching.sft_batch(batch, self.slots, self.group_sizes, self.config.max_len)
+        arrays = batching.sft_batch(batch, self.slots, self.group_sizes, self.config.max_len,
+                                    self.min_rows, self.config.pad_to_max_len)
         step_fn = self._shared_sft_step if step < self.config.sft.shared_steps else self._sft_step
         state, m = step_fn(state, self._place_batch(arrays))
         metrics = self._per_agent(m["agents"], "sft")
@@ -205,8 +208,10 @@ class Experiment:
         result = rollout.Rollout(self.system, self.tokenizer, policy, self.rollout_config(),
                                  memory).run(tasks)
         rollout_seconds = time.perf_counter() - start
-        batch = batching.grpo_batch(result.samples, self.slots, self.group_sizes, self.offsets,
-                                    self.config.max_len, self.min_rows)
+        samples = [s for s in result.samples
+                   if len(s.prompt_ids) + len(s.output_ids) <= self.config.max_len]
+        batch = batching.grpo_batch(samples, self.slots, self.group_sizes, self.offsets,
+                                    self.config.max_len, self.min_rows, self.config.pad_to_max_len)
         state, m = self._grpo_step(state, self._place_batch(batch))
         if memory is not None:
             memory.set_state(state)
@@ -214,6 +219,7 @@ class Experiment:
         metrics.update({f"grpo/{k}": float(m[k]) for k in ("kept_groups", "mixed_groups",
                                                             "updated_agents", "skipped")})
         metrics.update(self._rollout_metrics(result, rollout_seconds))
+        metrics["grpo/dropped_too_long"] = len(result.samples) - len(samples)
         metrics["grpo/accuracy"] = float(np.mean([r.r_answer for r in result.rewards]))
         metrics["grpo/reward"] = float(np.mean([r.total for r in result.rewards]))
         metrics["time/step_seconds"] = time.perf_counter() - start

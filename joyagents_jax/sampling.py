@@ -180,11 +180,12 @@ class Sampler:
     """
 
     def __init__(self, cfg: Qwen2Config, *, pad_id: int, tokenizer=None,
-                 max_cache_length: int | None = None, min_prompt_bucket: int = 16):
+                 max_cache_length: int | None = None, min_prompt_bucket: int = 16,
+                 min_batch_bucket: int = 1):
         """tokenizer: needed for stop strings; its vocab_size also bounds the drawn ids."""
         self.cfg, self.pad_id, self.tokenizer = cfg, pad_id, tokenizer
         self.max_cache_length = max_cache_length or cfg.max_position_embeddings
-        self.min_prompt_bucket = min_prompt_bucket
+        self.min_prompt_bucket, self.min_batch_bucket = min_prompt_bucket, min_batch_bucket
         vocab_limit = getattr(tokenizer, "vocab_size", None)
         if vocab_limit is not None and vocab_limit > cfg.vocab_size:
             raise ValueError(f"Tokenizer has {vocab_limit} tokens but the model only "
@@ -259,7 +260,7 @@ class Sampler:
                              f"{scfg.max_new_tokens} exceeds the cache length "
                              f"{self.max_cache_length}; shorten the prompt or lower max_new_tokens.")
         p_len = min(p_len, self.max_cache_length - scfg.max_new_tokens)
-        b = bucket(max(len(p) for p in prompt_lists))
+        b = bucket(max(len(p) for p in prompt_lists), self.min_batch_bucket)
 
         stop_rows = self._stop_ids(stop_ids, prompt_lists)
         strings = self._per_prompt(stop_strings, prompt_lists)

@@ -1,0 +1,93 @@
+"""GRPO train-step FLOP utilization: model FLOPs per step / step time / this CPU's matmul peak.
+
+One jitted step of every agent (A stacked agents, B samples of T tokens each, mu inner updates
+plus the reference forward), on random weights and tokens, at the CPU default's size and at
+~30M parameters. FLOPs: 6 x matmul params x tokens per inner step (forward + backward) plus
+2 x matmul params x tokens for the reference forward, plus attention (4 L T D per token
+forward, x3 with the backward).
+
+    python benchmarks/train_step.py [--sizes tiny,small-30m] [--agents 5] [--batch 16] [--seq 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import hardware  # noqa: E402
+
+from joyagents_jax import grpo, grpo_step  # noqa: E402
+from joyagents_jax import train_state as ts  # noqa: E402
+from joyagents_jax.models import presets, qwen2  # noqa: E402
+
+
+def matmul_params(cfg: qwen2.Qwen2Config) -> int:
+    d, f, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_kv_heads * cfg.head_dim
+    return cfg.num_layers * (2 * d * d + 2 * d * kv + 3 * d * f) + d * cfg.vocab_size
+
+
+def step_flops(cfg, agents, batch, seq, inner) -> float:
+    tokens = agents * batch * seq
+    attention = 4 * cfg.num_layers * seq / 2 * cfg.hidden_size  # causal: half the pairs
+    per_token_fwd = 2 * matmul_params(cfg) + attention
+    return tokens * per_token_fwd * (3 * inner + 1)
+
+
+def batch(cfg, agents, b, t, seed=0) -> grpo_step.GRPOBatch:
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, cfg.vocab_size, (agents, b, t)).astype(np.int32)
+    loss_mask = np.zeros((agents, b, t), bool)
+    loss_mask[..., t // 2:] = True  # second half: the agents' outputs
+    groups = np.arange(agents * b).reshape(agents, b) // 4  # node groups of 4 samples
+    rollouts = grpo_step.Rollouts(tokens=tokens, mask=np.ones((agents, b, t), bool),
+                                  loss_mask=loss_mask, sampler_logp=np.zeros((agents, b, t), np.float32),
+                                  rewards=rng.random((agents, b)).astype(np.float32),
+                                  group_ids=groups.astype(np.int32))
+    owner = np.repeat(np.arange(agents), b // 4).astype(np.int32)
+    return grpo_step.GRPOBatch(rollouts={"all": rollouts}, group_agent=owner)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="tiny,small-30m")
+    parser.add_argument("--agents", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--inner", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    peak = hardware.matmul_peak(jnp.float32)
+    print(f"# devices {jax.devices()}; f32 matmul peak {peak / 1e9:.1f} GFLOP/s")
+    print("| model | params | agents x batch x seq | step s | GFLOP/step | GFLOP/s | % of peak |")
+    print("|---|---|---|---|---|---|---|")
+    for size in args.sizes.split(","):
+        cfg = presets.get_preset(size)
+        group = ts.init_random_group(cfg, ts.OptimConfig(learning_rate=1e-4), args.agents,
+                                     jax.random.key(0))
+        state = ts.create({"all": group}, jax.random.key(1))
+        step = grpo_step.make_grpo_step(grpo_step.GRPOStepConfig(
+            loss=grpo.GRPOConfig(beta=0.04), inner_steps=args.inner))
+        data = batch(cfg, args.agents, args.batch, args.seq)
+        state, _ = step(state, data)  # compile
+        times = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            state, m = step(state, data)
+            jax.block_until_ready(state)
+            times.append(time.perf_counter() - start)
+        t = min(times)
+        flops = step_flops(cfg, args.agents, args.batch, args.seq, args.inner)
+        print(f"| {size} | {qwen2.count_params(cfg) / 1e6:.2f}M | {args.agents}x{args.batch}x"
+              f"{args.seq} | {t:.3f} | {flops / 1e9:.1f} | {flops / t / 1e9:.1f} | "
+              f"{100 * flops / t / peak:.0f}% |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
