@@ -30,7 +30,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.remat = False
     c.mesh = ""  # e.g. "fsdp=-1" or "data=2,fsdp=4": state and batches sharded; "": one device
     c.max_len = 384  # longest training sequence (context + output); longer rollouts are dropped
-    c.pad_to_max_len = True  # one train-step shape: compiles once (a CPU compile costs ~30 steps)
+    c.pad_to_max_len = True  # one GRPO-step shape: compiles once (a CPU compile costs ~30 steps)
     # Sampler shape buckets: prompts and batches are padded at least to these.
     c.sampler = ml_collections.ConfigDict(dict(min_prompt_bucket=256, min_batch_bucket=16))
 
@@ -44,10 +44,10 @@ def get_config() -> ml_collections.ConfigDict:
                                            clip_norm=1.0))
 
     c.grpo = ml_collections.ConfigDict(dict(
-        steps=20, queries=8, group_size=4, mode="nodewise", topk=0, select="groups",
+        steps=20, queries=6, group_size=4, mode="nodewise", topk=0, select="groups",
         inner_steps=2, beta=0.04, eps_low=0.2, eps_high=0.28, kl="k3",
-        aggregation="seq_mean_token_mean", advantage="std", learning_rate=5e-5, warmup_steps=0,
-        clip_norm=1.0, temperature=1.0, top_p=1.0, top_k=0, w_format=0.1, w_efficiency=0.05))
+        aggregation="seq_mean_token_mean", advantage="std", learning_rate=1e-4, warmup_steps=0,
+        clip_norm=1.0, temperature=0.7, top_p=1.0, top_k=0, w_format=0.1, w_efficiency=0.05))
 
     # Reuse needs a (near-)identical node input: with mean-pooled embeddings of a tiny model,
     # different prompts of one agent reach cosine 0.9996 (measured). Hints are off by default
@@ -57,7 +57,8 @@ def get_config() -> ml_collections.ConfigDict:
         tau_hint=0.9995, hints=False, reuse_min_reward=1.0, tau_dup=0.99995, z=1.96,
         decay_steps=50.0))
 
-    c.eval = ml_collections.ConfigDict(dict(every=300, examples=100, splits=("test", "test_novel")))
+    # Held-out evaluation at the end of SFT and of GRPO (and every `every` steps).
+    c.eval = ml_collections.ConfigDict(dict(every=1000, examples=100, splits=("test", "test_novel")))
     c.checkpoint = ml_collections.ConfigDict(dict(every=20, keep=3))
     return c
 

@@ -166,7 +166,7 @@ class Experiment:
             for j in rng.integers(0, len(pool), self.config.sft.batch_per_agent):
                 batch.append((agent, *pool[j]))
         arrays = batching.sft_batch(batch, self.slots, self.group_sizes, self.config.max_len,
-                                    self.min_rows, self.config.pad_to_max_len)
+                                    self.min_rows)  # demonstrations vary little in length
         step_fn = self._shared_sft_step if step < self.config.sft.shared_steps else self._sft_step
         state, m = step_fn(state, self._place_batch(arrays))
         metrics = self._per_agent(m["agents"], "sft")

@@ -489,7 +489,7 @@ def from_experiment(exp, state) -> MemoryHook:
                        request_length=m.request_len, tau_reuse=m.tau_reuse, tau_hint=m.tau_hint,
                        reuse_min_reward=m.reuse_min_reward, tau_dup=m.tau_dup, z=m.z,
                        best_reward=exp.rollout_config().rewards.best_memory_reward,
-                       decay_steps=m.decay_steps, hints=m.get("hints", True))
+                       decay_steps=m.decay_steps, hints=getattr(m, "hints", True))
     return MemoryHook(exp.system, exp.tokenizer, group_models(state), exp.slots, cfg)
 
 

@@ -2,16 +2,15 @@
 
 Nothing is allocated: params and optimizer state are `jax.eval_shape` results placed by the
 partition rules, the KV cache is sized from its shape, and activations come from the compiled
-memory analysis of one train step per agent group, lowered for this machine's devices (use
-`--cpu-devices N` to plan an N-device pod from a laptop). Until the GRPO train step exists, the
-step compiled here is its proxy: policy forward, reference forward, GRPO loss, backward and
-AdamW update, vmapped over the group's agents. The training issue swaps in the real step.
+memory analysis of the real GRPO train step over every agent group, lowered for this machine's
+devices (use `--cpu-devices N` to plan an N-device pod from a laptop).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import sys
 from collections.abc import Sequence
@@ -22,7 +21,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from joyagents_jax import distributed, grpo, sharding
+from joyagents_jax import distributed, grpo, grpo_step, sharding
+from joyagents_jax import train_state as ts
 from joyagents_jax.models import presets, qwen2
 
 # Named systems: groups of (preset, agents). Agents that share an architecture form one
@@ -90,7 +90,7 @@ class Plan:
 
 
 # ----------------------------------------------------------------------------------------------
-# Abstract state and the compiled proxy step.
+# Abstract state and the compiled train step.
 # ----------------------------------------------------------------------------------------------
 
 # The rollout KV cache [L, B, S, K, Hd] per agent: batch over data×fsdp, KV heads over tensor.
@@ -111,8 +111,8 @@ def _bytes(tree: Any, shardings: Any | None = None) -> int:
 
 
 def optimizer() -> optax.GradientTransformation:
-    """AdamW: mu and nu in the param dtype plus a step counter, kept per agent."""
-    return optax.adamw(1e-6, weight_decay=0.01)
+    """The train state's optimizer (AdamW after clipping): mu, nu and a counter per agent."""
+    return ts.make_optimizer(ts.OptimConfig())
 
 
 def kv_cache_shape(cfg: qwen2.Qwen2Config, agents: int, batch: int, length: int) -> dict:
@@ -139,51 +139,44 @@ def make_group(pc: PlanConfig, mesh: jax.sharding.Mesh, preset: str, agents: int
     return Group(preset, cfg, ref_cfg, trees, shardings)
 
 
-def agent_step(cfg: qwen2.Qwen2Config, ref_cfg: qwen2.Qwen2Config,
-               tx: optax.GradientTransformation):
-    """(params, opt_state, ref, tokens [B, T]) -> (params, opt_state) for one agent."""
-
-    def loss(params, ref, tokens):
-        logp = grpo.token_logprobs(qwen2.forward(cfg, params, tokens).logits[:, :-1], tokens[:, 1:])
-        ref_logits = qwen2.forward(ref_cfg, ref, tokens).logits[:, :-1]
-        ref_logp = grpo.token_logprobs(ref_logits, tokens[:, 1:])
-        mask = jnp.ones_like(logp)
-        adv = jnp.ones(tokens.shape[:1], jnp.float32)
-        return grpo.grpo_loss(logp, logp, ref_logp, adv, mask, None, grpo.GRPOConfig())[0]
-
-    def step(params, opt_state, ref, tokens):
-        updates, opt_state = tx.update(jax.grad(loss)(params, ref, tokens), opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
-
-    return step
+def abstract_state(groups: Sequence[Group]) -> ts.TrainState:
+    """The train state of `groups` as sharded ShapeDtypeStructs (no weights)."""
+    agent_groups = {}
+    for i, g in enumerate(groups):
+        tree = {row: sharding.abstract(g.trees[row], g.shardings[row])
+                for row in ("params", "optimizer", "reference")}
+        agent_groups[f"{i}:{g.preset}"] = ts.AgentGroup(
+            params=tree["params"], opt_state=tree["optimizer"], ref_params=tree["reference"],
+            model=g.cfg, optim=ts.OptimConfig())
+    scalar = jax.ShapeDtypeStruct((), jnp.int32)
+    return ts.TrainState(groups=agent_groups, step=scalar, skipped=scalar,
+                         rng=jax.eval_shape(lambda: jax.random.key(0)))
 
 
-def proxy_step(groups: Sequence[Group], tx: optax.GradientTransformation):
-    """One step over all groups (tuples of per-group args), each vmapped over its agents.
-
-    GRPO-shaped: policy and reference forward, loss, backward, AdamW; the real train step
-    (training issue) replaces it.
-    """
-    steps = [jax.vmap(agent_step(g.cfg, g.ref_cfg, tx)) for g in groups]
-
-    def step(params, opt_states, refs, tokens):
-        out = [f(*args) for f, args in zip(steps, zip(params, opt_states, refs, tokens))]
-        return tuple(o[0] for o in out), tuple(o[1] for o in out)
-
-    return step
+def abstract_batch(pc: PlanConfig, mesh: jax.sharding.Mesh, state: ts.TrainState
+                   ) -> grpo_step.GRPOBatch:
+    """A GRPO batch of `train_batch` sequences of `seq_len` tokens per agent, node groups of 4."""
+    shard = sharding.batch_sharding(mesh, stacked=True)
+    rollouts = {}
+    for name, g in state.groups.items():
+        a, b, t = g.num_agents, pc.train_batch, pc.seq_len
+        arr = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=shard)
+        rollouts[name] = grpo_step.Rollouts(
+            tokens=arr((a, b, t), jnp.int32), mask=arr((a, b, t), bool),
+            loss_mask=arr((a, b, t), bool), sampler_logp=arr((a, b, t), jnp.float32),
+            rewards=arr((a, b), jnp.float32), group_ids=arr((a, b), jnp.int32))
+    groups = sum(g.num_agents for g in state.groups.values()) * pc.train_batch // 4
+    return grpo_step.GRPOBatch(rollouts=rollouts, group_agent=jax.ShapeDtypeStruct(
+        (max(groups, 1),), jnp.int32, sharding=jax.sharding.NamedSharding(mesh, P())))
 
 
 def activation_bytes(pc: PlanConfig, mesh: jax.sharding.Mesh, groups: Sequence[Group]) -> int:
-    """Per-device temporaries (activations, gradients, logits) of the compiled proxy step."""
-    state = lambda row: tuple(sharding.abstract(g.trees[row], g.shardings[row]) for g in groups)
-    out_shardings = tuple(tuple(g.shardings[row] for g in groups)
-                          for row in ("params", "optimizer"))
-    tokens = tuple(jax.ShapeDtypeStruct((g.agents, pc.train_batch, pc.seq_len), jnp.int32,
-                                        sharding=sharding.batch_sharding(mesh, stacked=True))
-                   for g in groups)
-    step = jax.jit(proxy_step(groups, optimizer()), out_shardings=out_shardings,
-                   donate_argnums=(0, 1))
-    compiled = step.lower(state("params"), state("optimizer"), state("reference"), tokens).compile()
+    """Per-device temporaries (activations, gradients, logits) of the compiled GRPO step:
+    the real `grpo_step` (policy and reference forward, backward, AdamW, for every agent)."""
+    state = abstract_state(groups)
+    step = jax.jit(functools.partial(grpo_step.grpo_step, cfg=grpo_step.GRPOStepConfig(
+        loss=grpo.GRPOConfig(beta=0.04), inner_steps=1)), donate_argnums=0)
+    compiled = step.lower(state, abstract_batch(pc, mesh, state)).compile()
     return compiled.memory_analysis().temp_size_in_bytes
 
 
@@ -231,8 +224,8 @@ def format_plan(plan: Plan, capacity: int | None = None) -> str:
                    f"does NOT fit (over by {(peak - capacity) / GiB:.2f} GiB)")
         lines.append(f"  device memory {capacity / GiB:.2f} GiB: {verdict}")
     lines.append(
-        "  activations: compiled memory analysis of one GRPO-shaped proxy step (policy and "
-        "reference forward,\n  backward, AdamW) for these devices; other backends fuse "
+        "  activations: compiled memory analysis of the GRPO train step (policy and reference "
+        "forward,\n  backward, AdamW; one inner step) for these devices; other backends fuse "
         "differently, so plan on the target.\n  The KV cache is held during rollouts.")
     return "\n".join(lines)
 

@@ -68,7 +68,8 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
             else:
                 state, m, result = exp.grpo_step(state, step - sft_steps, memory)
                 if memory is not None:
-                    m.update(memory.update_from_rollout(result, step))
+                    m.update({f"memory/{k}": v
+                              for k, v in memory.update_from_rollout(result, step).items()})
                 postfix = {"reward": m["grpo/reward"], "acc": m["grpo/accuracy"],
                            "tok/s": m["rollout/tokens_per_second"]}
             step += 1

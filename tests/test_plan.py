@@ -30,8 +30,9 @@ def test_param_bytes_are_param_count_times_dtype_size(dtype, size):
     count = qwen2.count_params(presets.get_preset("tiny"))
     assert group.bytes("params", per_device=False) == 3 * count * size
     assert group.bytes("params", per_device=True) == 3 * count * size  # one device holds all
-    # AdamW: mu and nu like the params, plus one int32 step counter per agent.
-    assert group.bytes("optimizer", per_device=False) == 2 * 3 * count * size + 3 * 4
+    # AdamW: mu and nu like the params, plus two int32 counters per agent (Adam's and the
+    # learning-rate schedule's).
+    assert group.bytes("optimizer", per_device=False) == 2 * 3 * count * size + 3 * 2 * 4
     assert group.bytes("reference", per_device=False) == 3 * count * 2  # bfloat16
 
 

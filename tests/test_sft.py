@@ -8,6 +8,7 @@ import pytest
 from joyagents_jax import sft
 from joyagents_jax import train_state as ts
 from joyagents_jax.models import qwen2
+from tests.test_grpo_step import _random_params
 
 SUB = qwen2.Qwen2Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=1,
                         num_heads=4, num_kv_heads=2)
@@ -43,19 +44,6 @@ def _reference_ce(model, params, data: sft.SFTBatch, agent: int) -> float:
     logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     terms = [-logp[b, t - 1, tokens[b, t]] for b, t in zip(*np.nonzero(loss_mask))]
     return float(np.mean(terms))
-
-
-def _random_params(cfg: qwen2.Qwen2Config, num_agents: int, seed: int) -> qwen2.Params:
-    """Stacked random params made in NumPy (N(0, 0.02) weights, unit scales): no init compile."""
-    rng = np.random.default_rng(seed)
-
-    def leaf(path, spec):
-        shape = (num_agents, *spec.shape)
-        if jax.tree_util.keystr(path).endswith("['scale']"):
-            return jnp.ones(shape)
-        return jnp.asarray(0.02 * rng.standard_normal(shape), jnp.float32)
-
-    return jax.tree_util.tree_map_with_path(leaf, qwen2.param_shapes(cfg))
 
 
 @pytest.fixture

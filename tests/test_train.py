@@ -19,8 +19,8 @@ pytestmark = pytest.mark.slow
 # A few steps of every phase, tiny batches; memory on so its state is checkpointed too.
 OVERRIDES = {"sft.steps": 3, "sft.batch_per_agent": 2, "grpo.steps": 3, "grpo.queries": 2,
              "grpo.group_size": 2, "limits.max_tokens_per_node": 24, "eval.examples": 2,
-             "eval.every": 3, "checkpoint.every": 1, "memory.tau_reuse": 0.9999,
-             "memory.tau_dup": 0.9999}
+             "eval.every": 3, "checkpoint.every": 1, "sampler.min_prompt_bucket": 16,
+             "sampler.min_batch_bucket": 1, "pad_to_max_len": False}
 TIMING = ("seconds", "tokens_per_second", "time/")  # wall-clock metrics differ between runs
 
 
@@ -65,10 +65,11 @@ def _rows(workdir):
 
 
 def _final_params(workdir):
-    _, state, _, step = evaluate.load_run(workdir)
+    """Step and every array of the restored state and memory tables (PRNG keys as data)."""
+    _, state, memory, step = evaluate.load_run(workdir)
     as_array = lambda x: jax.random.key_data(x) if jax.dtypes.issubdtype(
         x.dtype, jax.dtypes.prng_key) else x
-    return step, [np.asarray(as_array(x)) for x in jax.tree.leaves(state)]
+    return step, [np.asarray(as_array(x)) for x in jax.tree.leaves((state, memory.tables))]
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +85,7 @@ def reference_run(tmp_path_factory, data_dir):
     return workdir
 
 
-def test_killed_run_resumes_to_identical_params_and_metrics(reference_run, data_dir, tmp_path):
+def test_killed_run_resumes_to_identical_params_memory_and_metrics(reference_run, data_dir, tmp_path):
     workdir = str(tmp_path / "killed")
     proc = _train_process(workdir, data_dir)
     _wait_for_checkpoint(proc, os.path.join(workdir, "checkpoints"), 2)
