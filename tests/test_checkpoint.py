@@ -238,6 +238,16 @@ def test_preemption_guard_turns_sigterm_into_a_flag():
 
 
 def test_preemption_guard_second_interrupt_goes_through():
+    # Python's own SIGINT handler as the previous one: a process started in the background by
+    # a non-interactive shell (as CI may be) inherits SIGINT ignored instead.
+    outer = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _second_interrupt_raises()
+    finally:
+        signal.signal(signal.SIGINT, outer)
+
+
+def _second_interrupt_raises():
     with pytest.raises(KeyboardInterrupt), checkpoint.PreemptionGuard([signal.SIGINT]) as guard:
         os.kill(os.getpid(), signal.SIGINT)
         _wait_for(lambda: guard.requested)
