@@ -57,7 +57,7 @@ class Experiment:
                                  f"smaller than the tokenizer's ({self.tokenizer.vocab_size}); "
                                  f"use the checkpoint's own tokenizer (config.tokenizer).")
         self.group_sizes = {g: len(spec.agents) for g, spec in config.groups.items()}
-        self.offsets = ts.agent_offsets({g: _Sized(n) for g, n in self.group_sizes.items()})
+        self.offsets = ts.offsets_of_sizes(self.group_sizes)
         self.samplers = {g: Sampler(m, pad_id=self.tokenizer.pad_id, tokenizer=self.tokenizer,
                                     min_prompt_bucket=config.sampler.min_prompt_bucket,
                                     min_batch_bucket=config.sampler.min_batch_bucket)
@@ -281,10 +281,3 @@ def summarize(exs: Sequence[suite.Example], result: rollout.RolloutResult, secon
     out[f"{prefix}/tokens_per_query"] = result.counters.generated_tokens / n
     out[f"{prefix}/seconds_per_query"] = seconds / n
     return out
-
-
-class _Sized:
-    """Stands in for an AgentGroup where only `num_agents` is read."""
-
-    def __init__(self, n: int):
-        self.num_agents = n

@@ -171,10 +171,15 @@ def set_reference(state: TrainState) -> TrainState:
 
 def agent_offsets(groups: Mapping[str, Any]) -> dict[str, int]:
     """Global index of each group's first agent: groups in sorted name order, then rows."""
+    return offsets_of_sizes({name: g.num_agents for name, g in groups.items()})
+
+
+def offsets_of_sizes(sizes: Mapping[str, int]) -> dict[str, int]:
+    """`agent_offsets` from agent counts per group (before any state exists)."""
     offsets, total = {}, 0
-    for name in sorted(groups):
+    for name in sorted(sizes):
         offsets[name] = total
-        total += groups[name].num_agents
+        total += sizes[name]
     return offsets
 
 
