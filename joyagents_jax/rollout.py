@@ -353,6 +353,16 @@ def episode_advantages(rewards: np.ndarray, eps: float = 1e-6) -> np.ndarray:
 # The policy backed by the real sampler.
 # ----------------------------------------------------------------------------------------------
 
+def _vmap_is_cheaper(sampler, prompts_per_slot: dict[int, int], num_agents: int) -> bool:
+    """One vmapped call pads every stacked agent to the largest bucket; separate calls pad each
+    agent's prompts to its own bucket. Vmap when that costs no more rows (fewer dispatches)."""
+    from joyagents_jax.sampling import bucket
+
+    rows = lambda n: bucket(n, sampler.min_batch_bucket)
+    vmapped = num_agents * rows(max(prompts_per_slot.values()))
+    return len(prompts_per_slot) > 1 and vmapped <= sum(map(rows, prompts_per_slot.values()))
+
+
 class SamplerPolicy:
     """Samples node outputs with `Sampler`s: one sampler call per agent group per wave.
 
@@ -380,18 +390,21 @@ class SamplerPolicy:
             prompts = lambda idx: [inputs[i].prompt_ids for i in idx]
             kw = dict(key=key, scfg=self.scfg, group_size=group_size,
                       stop_ids=self.tokenizer.stop_ids)
-            if len(slots) == 1:
-                (slot, idx), = slots.items()
-                results = {slot: sampler.generate(params, prompts(idx), agent=slot,
-                                                  stop_strings=stops(idx), **kw)}
-            else:
-                num = jax.tree.leaves(params)[0].shape[0]
+            num = jax.tree.leaves(params)[0].shape[0]
+            if _vmap_is_cheaper(sampler, {s: len(idx) for s, idx in slots.items()}, num):
                 fill = lambda s, f, dummy: f(slots[s]) if s in slots else dummy
                 per_agent = sampler.generate_per_agent(
                     params, [fill(s, prompts, [[self.tokenizer.pad_id]]) for s in range(num)],
                     stop_strings=[fill(s, stops, [()]) for s in range(num)], **kw)
                 results = {s: per_agent[s] for s in slots}
-            self.calls += 1
+                self.calls += 1
+            else:
+                results = {}
+                for slot, idx in slots.items():
+                    kw["key"], key = jax.random.split(kw["key"])
+                    results[slot] = sampler.generate(params, prompts(idx), agent=slot,
+                                                     stop_strings=stops(idx), **{**kw, "key": key})
+                    self.calls += 1
             for slot, idx in slots.items():
                 for row, i in enumerate(idx):
                     out[i] = [self._generation(results[slot], row, g) for g in range(group_size)]

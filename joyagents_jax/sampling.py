@@ -265,12 +265,14 @@ class Sampler:
         stop_rows = self._stop_ids(stop_ids, prompt_lists)
         strings = self._per_prompt(stop_strings, prompt_lists)
         seqs = {s: self._encode_stop(s) for rows in strings for row in rows for s in row}
-        max_m = max([len(row) for rows in strings for row in rows] + [1])
-        max_w = max([len(t) for t in seqs.values()] + [1])
+        # Stop tables are bucketed too (min 4 strings of 8 tokens, 4 ids): roles with different
+        # stop lists then share one compiled shape.
+        max_m = bucket(max([len(row) for rows in strings for row in rows] + [1]), 4)
+        max_w = bucket(max([len(t) for t in seqs.values()] + [1]), 8)
         n_lists = len(prompt_lists)
         tokens = np.full((n_lists, b, p_len), self.pad_id, np.int32)
         mask = np.zeros((n_lists, b, p_len), bool)
-        width = max([len(r) for rows in stop_rows for r in rows] + [1])
+        width = bucket(max([len(r) for rows in stop_rows for r in rows] + [1]), 4)
         stops = np.full((n_lists, b, width), NO_TOKEN, np.int32)
         for a, prompts in enumerate(prompt_lists):
             mask[a, :, -1] = True  # padding rows hold one pad token: finite, then discarded

@@ -2,6 +2,7 @@
 
 import collections
 import math
+import types
 
 import jax
 import numpy as np
@@ -189,3 +190,32 @@ def test_real_sampler_with_random_tiny_policies(mode, examples, sys_):
     for s in result.samples:
         assert 1 <= len(s.output_ids) <= 8 and len(s.sampler_logp) == len(s.output_ids)
         assert np.all(s.sampler_logp <= 0) and s.agent in agents
+
+
+@pytest.mark.parametrize("counts, vmapped", [({0: 2, 1: 2}, True), ({0: 3, 1: 1}, False),
+                                             ({0: 5}, False), ({0: 9, 1: 1, 2: 1}, False)])
+def test_policy_vmaps_agents_only_when_padding_is_free(counts, vmapped):
+    sampler = types.SimpleNamespace(min_batch_bucket=1)
+    assert rollout._vmap_is_cheaper(sampler, counts, num_agents=len(counts)) == vmapped
+
+
+def test_separate_and_vmapped_agent_calls_sample_alike(examples, sys_, monkeypatch):
+    """Greedy outputs do not depend on whether agents share one vmapped sampler call."""
+    cfg = qwen2.Qwen2Config(vocab_size=TOK.vocab_size, hidden_size=32, intermediate_size=64,
+                            num_layers=1, num_heads=2, num_kv_heads=1, max_position_embeddings=512)
+    agents = sys_.agents
+    keys = jax.random.split(jax.random.key(0), len(agents))
+    params = jax.tree.map(lambda *x: np.stack(x), *[qwen2.init_params(cfg, k) for k in keys])
+    inputs = [rollout.NodeInput(agent, p, TOK.encode(p), "sub")
+              for agent, p in [("qa", "Where is it?"), ("math", "1+2"), ("qa", "Red?"),
+                               ("math", "2*3 is")]]
+    outputs = []
+    for vmap in (True, False):
+        monkeypatch.setattr(rollout, "_vmap_is_cheaper", lambda *a, v=vmap: v)
+        policy = rollout.SamplerPolicy({"all": Sampler(cfg, pad_id=TOK.pad_id, tokenizer=TOK)},
+                                       {a: ("all", i) for i, a in enumerate(agents)},
+                                       SamplingConfig(6, greedy=True), TOK, jax.random.key(1))
+        policy.params = {"all": params}
+        outputs.append([[g.text for g in row] for row in policy.sample(inputs, 2)])
+        assert policy.calls == (1 if vmap else 2)
+    assert outputs[0] == outputs[1]
