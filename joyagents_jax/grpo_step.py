@@ -12,7 +12,9 @@ One step:
      weights and the per-agent update mask;
   2. a forward of the reference policies (logp_ref, when beta > 0);
   3. mu optimizer steps over the same batch (`lax.scan`), each agent vmapped, unselected agents
-     keeping params and optimizer state bit for bit. logp_old is the first inner step's own
+     keeping params and optimizer state bit for bit. With `micro_batch`, each agent's
+     gradient (and the reference forward) runs over micro-batches of rows and accumulates to
+     the full-batch gradient, bounding activation memory. logp_old is the first inner step's own
      forward (taken before any update, so it is the rollout policy's log-prob) and is kept for
      the later inner steps: no extra forward pass;
   4. a non-finite loss or gradient in any inner step drops the whole step (counted).
@@ -49,6 +51,9 @@ class GRPOStepConfig:
     select: Literal["groups", "agents"] = "groups"
     # "given": rewards already are advantages (trajectory-mode rollouts normalize per episode).
     advantage: Literal["std", "no_std", "loo", "given"] = "std"
+    # Rows per agent in one forward/backward; gradients accumulate over the batch's
+    # micro-batches to exactly the full-batch gradient. None: the whole batch at once.
+    micro_batch: int | None = None
 
 
 @flax.struct.dataclass
@@ -149,15 +154,76 @@ def agent_loss(model: qwen2.Qwen2Config, cfg: grpo.GRPOConfig,
     """One agent's GRPO loss, its metrics (entropy over all its generated tokens) and logp_old.
 
     In the first inner step the params are still the rollout policy's, so logp_old is this
-    forward's own log-prob (without gradient).
+    forward's own log-prob (without gradient). Metrics keep the counts that weight them when
+    micro-batches are combined: "denom" (the loss's), "live" and "generated" tokens.
     """
     logits = next_token_logits(model, params, tokens, mask)
     logp = grpo.token_logprobs(logits, tokens[:, 1:])
     logp_old = jnp.where(first, jax.lax.stop_gradient(logp), logp_old)
     loss, metrics = grpo.grpo_loss(logp, logp_old, logp_ref, adv, targets, weights, cfg)
-    del metrics["denom"]
     entropy = grpo.token_entropy(jax.lax.stop_gradient(logits))
-    return loss, ({**metrics, "entropy": _masked_mean(entropy, targets)}, logp_old)
+    metrics.update(entropy=_masked_mean(entropy, targets), generated=jnp.sum(targets),
+                   live=jnp.sum(targets & (weights[:, None] > 0)))
+    return loss, (metrics, logp_old)
+
+
+def _micro_size(rows: int, micro_batch: int | None) -> int:
+    size = rows if micro_batch is None else min(micro_batch, rows)
+    if rows % size:
+        raise ValueError(f"config micro_batch {micro_batch} does not divide the batch's "
+                         f"{rows} rows per agent; use a power of two.")
+    return size
+
+
+def _micro(x: jax.Array | None, size: int) -> jax.Array | None:
+    """[B, ...] -> [B / size, size, ...]."""
+    return None if x is None else x.reshape(x.shape[0] // size, size, *x.shape[1:])
+
+
+def _combine_micro(m: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """Per-micro-batch metrics [n] -> the full batch's: losses weighted by their denominators,
+    token means by their token counts, ratio_max the max."""
+    weighted = lambda v, w: grpo.safe_divide(jnp.sum(v * w), jnp.sum(w))
+    by = {"loss": "denom", "pg_loss": "denom", "kl_loss": "denom", "kl": "live",
+          "clip_frac": "live", "ratio_mean": "live", "entropy": "generated"}
+    out = {k: weighted(m[k], m[w].astype(jnp.float32)) for k, w in by.items()}
+    out["ratio_max"] = jnp.max(m["ratio_max"])
+    return out
+
+
+def agent_grads(model: qwen2.Qwen2Config, cfg: grpo.GRPOConfig, micro_batch: int | None,
+                first: jax.Array, params: qwen2.Params, logp_old: jax.Array, *inputs):
+    """One agent's loss gradient over its batch, accumulated over micro-batches of rows.
+
+    Each micro-batch's loss is rescaled by its share of the full batch's aggregation
+    denominator (param-independent), so the summed gradient is the full-batch gradient.
+    inputs: tokens, mask, targets, logp_ref, adv, weights as in `agent_loss` ([B, ...]).
+    Returns (grads, metrics, logp_old [B, T-1]).
+    """
+    rows = inputs[0].shape[0]
+    size = _micro_size(rows, micro_batch)
+    loss_fn = functools.partial(agent_loss, model, cfg, first)
+    if size == rows:
+        (_, (metrics, logp_old)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            params, logp_old, *inputs)
+        return grads, {k: v for k, v in metrics.items()
+                       if k not in ("denom", "live", "generated")}, logp_old
+    targets, weights = inputs[2], inputs[5]
+    total = grpo.aggregate(jnp.zeros(targets.shape), targets, cfg.aggregation, weights=weights,
+                           max_len=cfg.max_len)[1]
+
+    def scaled(params, *mb):
+        loss, (metrics, old) = loss_fn(params, *mb)
+        return loss * grpo.safe_divide(metrics["denom"], total), (metrics, old)
+
+    def body(acc, mb):
+        (_, (metrics, old)), grads = jax.value_and_grad(scaled, has_aux=True)(params, *mb)
+        return jax.tree.map(jnp.add, acc, grads), (metrics, old)
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    grads, (metrics, old) = jax.lax.scan(
+        body, zeros, tuple(_micro(x, size) for x in (logp_old, *inputs)))
+    return grads, _combine_micro(metrics), old.reshape(rows, -1)
 
 
 def _reduce_inner(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
@@ -181,13 +247,23 @@ def _check_batch(state: ts.TrainState, batch: GRPOBatch) -> None:
                              f"{group.num_agents} agents.")
 
 
-def _reference_logprobs(group: ts.AgentGroup, r: Rollouts, beta: float) -> jax.Array | None:
-    """logp_ref of every sample [A, B, T-1], or None when the KL term is off."""
+def _reference_logprobs(group: ts.AgentGroup, r: Rollouts, beta: float,
+                        micro_batch: int | None = None) -> jax.Array | None:
+    """logp_ref of every sample [A, B, T-1] (micro-batch by micro-batch), or None when the KL
+    term is off."""
     if not beta:
         return None
     if group.ref_params is None:
         raise ValueError("beta > 0 needs reference params; see train_state.set_reference.")
-    return jax.vmap(functools.partial(_logprobs, group.model))(group.ref_params, r.tokens, r.mask)
+    rows = r.tokens.shape[1]
+    size = _micro_size(rows, micro_batch)
+
+    def one_agent(params, tokens, mask):  # [B, T] -> [B, T-1]
+        per_micro = lambda tm: _logprobs(group.model, params, *tm)
+        return jax.lax.map(per_micro, (_micro(tokens, size), _micro(mask, size))).reshape(
+            rows, -1)
+
+    return jax.vmap(one_agent)(group.ref_params, r.tokens, r.mask)
 
 
 def _inner_step(cfg: GRPOStepConfig, inputs: dict, updates: dict[str, jax.Array], carry,
@@ -200,13 +276,13 @@ def _inner_step(cfg: GRPOStepConfig, inputs: dict, updates: dict[str, jax.Array]
     groups, logp_old = carry
     new_groups, new_old, metrics, ok = {}, {}, {}, jnp.array(True)
     for name, group in groups.items():
-        loss_fn = functools.partial(agent_loss, group.model, cfg.loss, first)
-        grad_fn = jax.vmap(jax.value_and_grad(loss_fn, has_aux=True))
-        (loss, (metrics[name], new_old[name])), grads = grad_fn(
-            group.params, logp_old[name], *inputs[name])
+        grad_fn = jax.vmap(functools.partial(agent_grads, group.model, cfg.loss, cfg.micro_batch,
+                                             first))
+        grads, metrics[name], new_old[name] = grad_fn(group.params, logp_old[name],
+                                                      *inputs[name])
         metrics[name]["grad_norm"] = norms = ts.global_norms(grads)
         new_groups[name] = ts.apply_gradients(group, grads, updates[name])
-        ok &= jnp.all(jnp.isfinite(loss) & jnp.isfinite(norms))
+        ok &= jnp.all(jnp.isfinite(metrics[name]["loss"]) & jnp.isfinite(norms))
     return (new_groups, new_old), (metrics, ok)
 
 
@@ -232,7 +308,7 @@ def grpo_step(state: ts.TrainState, batch: GRPOBatch, cfg: GRPOStepConfig
         rows = slice(offsets[name], offsets[name] + group.num_agents)
         targets[name] = r.loss_mask[..., 1:].astype(bool)
         inputs[name] = (r.tokens, r.mask, targets[name],
-                        _reference_logprobs(group, r, cfg.loss.beta), adv[name],
+                        _reference_logprobs(group, r, cfg.loss.beta, cfg.micro_batch), adv[name],
                         grpo.sample_weights(kept, r.group_ids))
         updates[name] = update[rows]
         logp_old[name] = jnp.zeros(targets[name].shape, jnp.float32)  # set by the first step

@@ -178,6 +178,29 @@ def test_step_updates_exactly_the_selected_agents(state, step):
                 assert not np.array_equal(old[row], new[row]), name
 
 
+@pytest.mark.parametrize("aggregation", ["seq_mean_token_mean", "token_mean"])
+def test_micro_batches_accumulate_to_the_full_batch_step(aggregation):
+    loss = grpo.GRPOConfig(aggregation=aggregation)
+    full_cfg = gs.GRPOStepConfig(loss=loss, topk=3, inner_steps=2)
+    micro_cfg = gs.GRPOStepConfig(loss=loss, topk=3, inner_steps=2, micro_batch=2)
+    full, full_m = gs.make_grpo_step(full_cfg)(_fresh_state(), _batch())
+    micro, micro_m = gs.make_grpo_step(micro_cfg)(_fresh_state(), _batch())
+
+    for a, b in zip(jax.tree.leaves(full.groups), jax.tree.leaves(micro.groups), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    for name in ("subs", "master"):
+        for key, value in full_m["agents"][name].items():
+            np.testing.assert_allclose(micro_m["agents"][name][key], value, rtol=1e-5,
+                                       atol=1e-6, err_msg=f"{name} {key}")
+    assert int(micro_m["kept_groups"]) == int(full_m["kept_groups"]) == 3
+
+
+def test_a_micro_batch_that_does_not_divide_the_rows_is_refused(state):
+    cfg = gs.GRPOStepConfig(micro_batch=3)
+    with pytest.raises(ValueError, match="micro_batch 3 does not divide"):
+        jax.eval_shape(functools.partial(gs.grpo_step, cfg=cfg), state, _batch())
+
+
 def test_non_finite_loss_skips_the_whole_step(state, step):
     params = state.groups["subs"].params
     poisoned = params["embed"].at[0].set(jnp.inf)  # a selected agent diverged
