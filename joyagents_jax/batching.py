@@ -72,6 +72,20 @@ def sft_batch(demos: Sequence[tuple[str, Sequence[int], Sequence[int]]], slots: 
             for g, a in seqs.arrays.items()}
 
 
+def informative(samples: Sequence[rollout.Sample]) -> list[rollout.Sample]:
+    """The samples of node groups with a reward spread (>= 2 members, max > min).
+
+    The other groups have zero advantage and are never kept by the group-wise top-K, so their
+    loss weight is 0 and dropping them before the step changes no update (the step's variance
+    rule, `grpo.segment_reward_variance`, is the same test) while shrinking the batch.
+    """
+    rewards: dict[int, list[float]] = {}
+    for s in samples:
+        rewards.setdefault(s.group, []).append(s.reward)
+    spread = {g for g, r in rewards.items() if len(r) >= 2 and max(r) > min(r)}
+    return [s for s in samples if s.group in spread]
+
+
 def grpo_batch(samples: Sequence[rollout.Sample], slots: AgentSlots,
                group_sizes: Mapping[str, int], offsets: Mapping[str, int], max_len: int,
                min_rows: int = 1, fixed_len: bool = False) -> grpo_step.GRPOBatch:

@@ -18,7 +18,9 @@ def get_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0
     c.tokenizer = "bytes"  # "bytes", or a folder with an HF tokenizer (e.g. a Qwen2.5 checkpoint)
+    c.dataset = "assistant_suite"  # or "gsm8k": local files in gsm8k_dir (agents master[, math])
     c.suite = "cpu"  # assistant suite config (assistant_suite.CONFIGS)
+    c.gsm8k_dir = ""  # train.jsonl and test.jsonl of GSM8K (github.com/openai/grade-school-math)
     c.data_dir = ""  # where the suite is built; default: <workdir>/data
     c.agents = (protocol.MASTER,) + SUB_AGENTS
     # Agent groups: agents sharing an architecture are stacked and vmapped. model: a preset
@@ -32,7 +34,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.max_len = 384  # longest training sequence (context + output); longer rollouts are dropped
     c.pad_to_max_len = True  # one GRPO-step shape: compiles once (a CPU compile costs ~30 steps)
     # Sampler shape buckets: prompts and batches are padded at least to these.
-    c.sampler = ml_collections.ConfigDict(dict(min_prompt_bucket=256, min_batch_bucket=16))
+    c.sampler = ml_collections.ConfigDict(dict(min_prompt_bucket=256, min_batch_bucket=4))
 
     c.limits = ml_collections.ConfigDict(dict(max_nodes=8, max_tokens_per_node=96,
                                               max_observation_chars=96))
@@ -45,7 +47,7 @@ def get_config() -> ml_collections.ConfigDict:
 
     c.grpo = ml_collections.ConfigDict(dict(
         steps=20, queries=6, group_size=4, mode="nodewise", topk=0, select="groups",
-        inner_steps=2, beta=0.04, eps_low=0.2, eps_high=0.28, kl="k3",
+        micro_batch=16, inner_steps=2, beta=0.04, eps_low=0.2, eps_high=0.28, kl="k3",
         aggregation="seq_mean_token_mean", advantage="std", learning_rate=1e-4, warmup_steps=0,
         clip_norm=1.0, temperature=0.7, top_p=1.0, top_k=0, w_format=0.1, w_efficiency=0.05))
 
@@ -77,7 +79,8 @@ def real_checkpoint_config(groups: dict[str, tuple[tuple[str, ...], str]]
     c.param_dtype, c.dtype, c.remat, c.mesh = "bfloat16", "bfloat16", True, "fsdp=-1"
     c.max_len = 2048
     c.limits.update(max_nodes=8, max_tokens_per_node=256, max_observation_chars=512)
-    c.sft.update(steps=200, batch_per_agent=8, learning_rate=1e-5, warmup_steps=20)
+    c.sft.update(steps=200, shared_steps=0, batch_per_agent=8, learning_rate=1e-5,
+                 warmup_steps=20)
     c.grpo.update(steps=300, queries=32, group_size=8, learning_rate=1e-6, warmup_steps=10,
                   topk=16)
     c.memory.update(capacity=4096, response_len=256, request_len=256)
@@ -95,6 +98,18 @@ def validate(c: ml_collections.ConfigDict) -> None:
     if unknown:
         raise ValueError(f"config.agents has unknown agent(s) {unknown}; the suite's sub-agents "
                          f"are {list(SUB_AGENTS)}.")
+    if c.dataset not in ("assistant_suite", "gsm8k"):
+        raise ValueError(f"config.dataset must be assistant_suite or gsm8k, got {c.dataset!r}.")
+    if c.dataset == "gsm8k":
+        if not c.gsm8k_dir:
+            raise ValueError("config.dataset=gsm8k needs config.gsm8k_dir: a folder with "
+                             "train.jsonl and test.jsonl from github.com/openai/grade-school-math.")
+        if set(c.agents) - {protocol.MASTER, "math"}:
+            raise ValueError(f"config.dataset=gsm8k runs the master alone or with the math "
+                             f"sub-agent; config.agents is {list(c.agents)}.")
+        if set(c.eval.splits) - {"train", "test", "train_socratic", "test_socratic"}:
+            raise ValueError(f"config.eval.splits {list(c.eval.splits)}: GSM8K has train and "
+                             f"test (and the *_socratic files); use ('test',).")
     if sorted(grouped) != sorted(c.agents):
         raise ValueError(f"config.groups must place every agent of config.agents exactly once: "
                          f"groups hold {sorted(grouped)}, agents are {sorted(c.agents)}.")
@@ -110,6 +125,9 @@ def validate(c: ml_collections.ConfigDict) -> None:
                          f"{g.mode!r}.")
     if g.select not in ("groups", "agents"):
         raise ValueError(f"config.grpo.select must be groups or agents, got {g.select!r}.")
+    if g.micro_batch < 0 or g.micro_batch & (g.micro_batch - 1):
+        raise ValueError(f"config.grpo.micro_batch must be a power of two (rows per agent in "
+                         f"one forward/backward) or 0 (the whole batch), got {g.micro_batch}.")
     for name in ("steps", "queries", "inner_steps"):
         if g[name] < (0 if name == "steps" else 1):
             raise ValueError(f"config.grpo.{name} must be positive, got {g[name]}.")

@@ -31,6 +31,20 @@ def task_of(ex: suite.Example) -> rollout.Task:
     return rollout.Task(ex.query, ex.answer, ex.answer_kind, ex.min_llm_calls)
 
 
+def load_sources(config: ml_collections.ConfigDict, workdir: str) -> dict:
+    """Random-access splits of suite-format records: the assistant suite, or GSM8K (multi-agent
+    when the math sub-agent is among the agents)."""
+    data_dir = config.data_dir or f"{workdir}/data"
+    if config.dataset == "gsm8k":
+        from joyagents_jax.data import gsm8k
+
+        try:
+            return gsm8k.as_suite(config.gsm8k_dir, data_dir, multi_agent="math" in config.agents)
+        except FileNotFoundError as e:
+            raise ValueError(f"config.gsm8k_dir: {e}") from e
+    return suite.load_suite(config.suite, data_dir)
+
+
 class Experiment:
     def __init__(self, config: ml_collections.ConfigDict, workdir: str):
         config_lib.validate(config)
@@ -39,7 +53,7 @@ class Experiment:
             self.tokenizer = load_tokenizer(config.tokenizer)
         except (OSError, ValueError) as e:
             raise ValueError(f"config.tokenizer: {e}") from e
-        self.sources = suite.load_suite(config.suite, config.data_dir or f"{workdir}/data")
+        self.sources = load_sources(config, workdir)
         self.system = system.make_system(suite.suite_world(config.suite),
                                          agents=[a for a in config.agents if a != protocol.MASTER],
                                          limits=system.Limits(**config.limits))
@@ -140,7 +154,8 @@ class Experiment:
                                max_len=self.config.limits.max_tokens_per_node)
         advantage = "given" if g.mode == "trajectory" else g.advantage
         return grpo_step.GRPOStepConfig(loss=loss, inner_steps=g.inner_steps,
-                                        topk=g.topk or None, select=g.select, advantage=advantage)
+                                        topk=g.topk or None, select=g.select, advantage=advantage,
+                                        micro_batch=g.micro_batch or None)
 
     def _demonstrations(self) -> dict[str, list[tuple[list[int], list[int]]]]:
         """Per agent, (context ids, output ids) of every node of every train gold trajectory."""
@@ -210,12 +225,19 @@ class Experiment:
         rollout_seconds = time.perf_counter() - start
         samples = [s for s in result.samples
                    if len(s.prompt_ids) + len(s.output_ids) <= self.config.max_len]
-        batch = batching.grpo_batch(samples, self.slots, self.group_sizes, self.offsets,
-                                    self.config.max_len, self.min_rows, self.config.pad_to_max_len)
+        trained = batching.informative(samples) if self.config.grpo.select == "groups" else samples
+        batch = batching.grpo_batch(trained or samples[:1], self.slots, self.group_sizes,
+                                    self.offsets, self.config.max_len, self.min_rows,
+                                    self.config.pad_to_max_len)
         state, m = self._grpo_step(state, self._place_batch(batch))
         if memory is not None:
             memory.set_state(state)
-        metrics = self._per_agent(m["agents"], "grpo")
+        metrics = self._per_agent({g: {k: v for k, v in agent_m.items() if k != "mean_reward"}
+                                   for g, agent_m in m["agents"].items()}, "grpo")
+        for agent in self.config.agents:  # over all rollout samples, not only the trained ones
+            rewards = [s.reward for s in samples if s.agent == agent]
+            metrics[f"grpo/reward/{agent}"] = float(np.mean(rewards)) if rewards else 0.0
+        metrics["grpo/trained_samples"] = len(trained)
         metrics.update({f"grpo/{k}": float(m[k]) for k in ("kept_groups", "mixed_groups",
                                                             "updated_agents", "skipped")})
         metrics.update(self._rollout_metrics(result, rollout_seconds))

@@ -169,6 +169,7 @@ def test_cli_train_eval_export_plot(reference_run, tmp_path):
     ({"grpo.topk": -1}, "config.grpo.topk must be >= 1"),
     ({"grpo.group_size": 1}, "config.grpo.group_size must be >= 2"),
     ({"grpo.mode": "beam"}, "config.grpo.mode must be"),
+    ({"grpo.micro_batch": 12}, "config.grpo.micro_batch must be a power of two"),
     ({"groups.all.checkpoint": "/nonexistent/qwen"}, "not found"),
     ({"groups.all.model": "qwen9"}, "Unknown model preset 'qwen9'"),
     ({"tokenizer": "/nonexistent/tok"}, "tokenizer"),
