@@ -3,7 +3,9 @@
 The catalog's `gsm8k` builder downloads from GitHub; this subclass (`gsm8k_local`) keeps its
 features and reads `train.jsonl` and `test.jsonl` (plus the optional `*_socratic.jsonl`) from a
 manual directory instead, so no network is needed. Each line is `{"question", "answer"}` with the
-answer's last line `#### N`. `extract_answer` and `is_correct` are the numeric answer checker.
+answer's last line `#### N`. `extract_answer` and `is_correct` are the numeric answer checker. `as_suite` reads a split as
+assistant-suite records (with a gold trajectory for the single- or the multi-agent system), so
+the training pipeline runs on GSM8K unchanged.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from tensorflow_datasets.text.gsm8k import gsm8k
 REQUIRED_FILES = ("train.jsonl", "test.jsonl")
 OPTIONAL_FILES = ("train_socratic.jsonl", "test_socratic.jsonl")
 _SOURCE = "https://github.com/openai/grade-school-math (grade_school_math/data/)"
+_CALC = re.compile(r"<<[^<>]*>>")  # the solutions' calculator annotations, e.g. <<48/2=24>>
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 
 
@@ -105,3 +108,45 @@ def load_gsm8k(manual_dir: str | os.PathLike,
     builder.download_and_prepare(
         download_config=tfds.download.DownloadConfig(manual_dir=os.fspath(manual_dir)))
     return builder.as_data_source()
+
+
+def gold_outputs(annotation: str, short_answer: str, multi_agent: bool) -> list[str]:
+    """The gold trajectory's node outputs for one problem.
+
+    Single agent: the master reasons and answers alone. Multi agent: the master hands the
+    problem to the math sub-agent, which gives the same reasoning and answer, and the master
+    repeats it; the reasoning content is equal, so the comparison isolates the hierarchy.
+    """
+    reasoning = _CALC.sub("", annotation).replace("<", " less than ").replace(">", " more than ")
+    solve = f"<think>{' '.join(reasoning.split())}</think><answer>{short_answer}</answer>"
+    if not multi_agent:
+        return [solve]
+    return ['<call agent="math"/>', solve, f"<answer>{short_answer}</answer>"]
+
+
+class SuiteView:
+    """A GSM8K split read as assistant-suite records (domain math, numeric answer, gold
+    trajectory): `assistant_suite.decode` turns them into `Example`s."""
+
+    def __init__(self, source, split: str, multi_agent: bool):
+        self.source, self.split, self.multi_agent = source, split, multi_agent
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        row = {k: v.decode() if isinstance(v, bytes) else str(v)
+               for k, v in self.source[i].items()}
+        outputs = gold_outputs(row["annotation"], row["short_answer"], self.multi_agent)
+        agents = ["master", "math", "master"] if self.multi_agent else ["master"]
+        gold = [{"agent": a, "output": o} for a, o in zip(agents, outputs)]
+        return {"query": row["question"], "domain": "math", "answer": row["short_answer"],
+                "answer_kind": "number", "min_llm_calls": len(gold),
+                "question_id": f"gsm8k-{self.split}-{i}", "gold": json.dumps(gold)}
+
+
+def as_suite(manual_dir: str | os.PathLike, data_dir: str | os.PathLike | None,
+             multi_agent: bool) -> dict[str, SuiteView]:
+    """Every local GSM8K split as assistant-suite records; see `SuiteView`."""
+    return {split: SuiteView(source, split, multi_agent)
+            for split, source in load_gsm8k(manual_dir, data_dir).items()}

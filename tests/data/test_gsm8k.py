@@ -70,3 +70,25 @@ def test_extract_answer(text, expected):
 ])
 def test_is_correct(prediction, reference, correct):
     assert gsm8k.is_correct(prediction, reference) is correct
+
+
+@pytest.mark.parametrize("multi_agent, agents", [(False, ["master"]),
+                                                 (True, ["master", "math", "master"])])
+def test_suite_view_gold_replays_to_full_reward(manual_dir, tmp_path, multi_agent, agents):
+    from joyagents_jax.agents import system
+    from joyagents_jax.data import assistant_suite as suite
+
+    _write(manual_dir, "train.jsonl", _ROWS + [
+        {"question": "Is 3 < 4? Add them.", "answer": "3 < 4, and 3 + 4 = <<3+4=7>>7\n#### 7"}])
+    views = gsm8k.as_suite(manual_dir, tmp_path / "data", multi_agent=multi_agent)
+    assert {k: len(v) for k, v in views.items()} == {"train": 3, "test": 1}
+    sys_ = system.make_system(None, agents=["math"] if multi_agent else [])
+    for i in range(3):
+        ex = suite.decode(views["train"][i])
+        assert (ex.domain, ex.answer_kind, ex.question_id) == ("math", "number", f"gsm8k-train-{i}")
+        assert [n.agent for n in ex.gold] == agents and ex.min_llm_calls == len(agents)
+        assert "<<" not in ex.gold[-1 if not multi_agent else 1].output
+        episode = system.demonstration(sys_, ex.query, [n.output for n in ex.gold])
+        parts = episode.reward(ex.answer, ex.answer_kind, ex.min_llm_calls)
+        assert episode.done and parts.r_answer == 1.0 and parts.r_efficiency == 0.0
+        assert all(n.wellformed for n in episode.nodes)
