@@ -60,7 +60,7 @@ def get_config() -> ml_collections.ConfigDict:
         decay_steps=50.0))
 
     # Held-out evaluation at the end of SFT and of GRPO (and every `every` steps).
-    c.eval = ml_collections.ConfigDict(dict(every=1000, examples=100, splits=("test", "test_novel")))
+    c.eval = ml_collections.ConfigDict(dict(every=1000, examples=200, splits=("test", "test_novel")))
     c.checkpoint = ml_collections.ConfigDict(dict(every=20, keep=3))
     return c
 

@@ -1,0 +1,185 @@
+"""The learning study: JoyAgents-R1 against its baselines on the built-in suite, per seed, at
+an equal sampler-token budget.
+
+Every variant of a seed starts from the same SFT checkpoint (the default's SFT phase, made
+once per seed with `joyagents train --config.grpo.steps=0`), then runs GRPO steps until the
+rollouts have generated `--tokens` tokens, and is evaluated greedily on all of `test` and
+`test_novel` (with its memory when it has one). `sft_only` is the checkpoint itself.
+
+    python benchmarks/learning_study.py --seeds 0 --variants joyagents          # one run, ~4 min
+    python benchmarks/learning_study.py --seeds 0,1,2                            # the study
+    python benchmarks/learning_study.py --report                                 # table + plot
+
+Runs are cached as JSON under --root (one file per seed and variant), so the study can be
+run piece by piece; --report aggregates whatever exists into a Markdown table (mean +- std over
+seeds) and `learning_curves.png` (rollout accuracy against generated tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import numpy as np
+
+from joyagents_jax import checkpoint, experiment, train
+from joyagents_jax import config as config_lib
+
+# name: (description, config overrides) on top of the embedded default.
+VARIANTS = {
+    "sft_only": ("SFT only", {}),
+    "trajectory": ("trajectory GRPO, all groups, no memory",
+                   {"grpo.mode": "trajectory", "grpo.topk": 0, "memory.enabled": False}),
+    "nodewise_all": ("node-wise, all groups, no memory",
+                     {"grpo.topk": 0, "memory.enabled": False}),
+    "nodewise_topk": ("node-wise, top-K (K=5), no memory",
+                      {"grpo.topk": 5, "memory.enabled": False}),
+    "joyagents": ("JoyAgents-R1: node-wise, top-K (K=5), memory",
+                  {"grpo.topk": 5, "memory.enabled": True}),
+    "k1": ("JoyAgents-R1, K=1", {"grpo.topk": 1, "memory.enabled": True}),
+    "k2": ("JoyAgents-R1, K=2", {"grpo.topk": 2, "memory.enabled": True}),
+    "kall": ("JoyAgents-R1, K=all", {"grpo.topk": 0, "memory.enabled": True}),
+}
+MAIN = ("sft_only", "trajectory", "nodewise_all", "nodewise_topk", "joyagents")
+SPLITS = {"test": 200, "test_novel": 50}
+
+
+def config_for(seed: int, overrides: dict) -> "config_lib.ml_collections.ConfigDict":
+    c = config_lib.get_config()
+    c.seed = seed
+    for key, value in overrides.items():
+        node = c
+        *path, last = key.split(".")
+        for p in path:
+            node = node[p]
+        node[last] = value
+    return c
+
+
+def sft_checkpoint(root: str, seed: int, data_dir: str) -> str:
+    """The seed's SFT workdir, trained (SFT phase only) unless its end-of-SFT checkpoint exists
+    (e.g. copied from a default run of that seed: the SFT phases are identical)."""
+    workdir = os.path.join(root, f"sft_s{seed}")
+    steps = config_lib.get_config().sft.steps
+    if not os.path.isdir(os.path.join(workdir, "checkpoints", str(steps))):
+        train.train(config_for(seed, {"grpo.steps": 0, "data_dir": data_dir}), workdir)
+    return workdir
+
+
+def evaluate(exp: experiment.Experiment, state, memory) -> dict[str, float]:
+    out = {}
+    for split, n in SPLITS.items():
+        out.update(exp.evaluate(state, split, n, memory))
+    return out
+
+
+def run_variant(root: str, seed: int, name: str, tokens: int, max_steps: int) -> dict:
+    """GRPO from the seed's SFT checkpoint until `tokens` generated tokens; evaluation."""
+    data_dir = os.path.join(root, "data")
+    sft_dir = sft_checkpoint(root, seed, data_dir)
+    c = config_for(seed, {**VARIANTS[name][1], "data_dir": data_dir})
+    exp = experiment.Experiment(c, os.path.join(root, f"{name}_s{seed}"))
+    with checkpoint.Checkpointer(os.path.join(sft_dir, "checkpoints"), keep=10) as ckpt:
+        state, _, step, phase = train._restore(exp, ckpt, exp.init_state())
+    if (step, phase) != (c.sft.steps, "sft"):
+        raise RuntimeError(f"{sft_dir} holds step {step} ({phase}), not the end of SFT.")
+    start, curve, generated = time.time(), [], 0
+    memory = None
+    if name != "sft_only":
+        state = exp.start_grpo(state)
+        memory = train._make_memory(exp, state)
+        for k in range(max_steps):
+            if generated >= tokens:
+                break
+            state, m, result = exp.grpo_step(state, k, memory)
+            if memory is not None:
+                memory.update_from_rollout(result, k)
+            generated += int(m["rollout/generated_tokens"])
+            curve.append({"step": k + 1, "tokens": generated, "accuracy": m["grpo/accuracy"],
+                          "reward": m["grpo/reward"], "kept_groups": m["grpo/kept_groups"],
+                          "updated_agents": m["grpo/updated_agents"]})
+    return {"seed": seed, "variant": name, "steps": len(curve), "generated_tokens": generated,
+            "seconds": time.time() - start, "curve": curve, "eval": evaluate(exp, state, memory)}
+
+
+def report(root: str, out_md: str, out_png: str) -> str:
+    runs = [json.load(open(os.path.join(root, f))) for f in sorted(os.listdir(root))
+            if f.startswith("result_") and f.endswith(".json")]
+    by_variant: dict[str, list[dict]] = {}
+    for r in runs:
+        by_variant.setdefault(r["variant"], []).append(r)
+    domains = sorted({k.rsplit("/", 1)[1] for r in runs for k in r["eval"]
+                      if k.startswith("eval/test/accuracy/")})
+    stat = lambda xs: f"{np.mean(xs):.3f} +- {np.std(xs):.3f}" if len(xs) > 1 else f"{xs[0]:.3f}"
+    head = ["variant", "seeds", "test acc", *domains, "test_novel acc", "LLM calls / query",
+            "memory hit rate", "GRPO steps", "generated tokens"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name in VARIANTS:
+        rs = by_variant.get(name)
+        if not rs:
+            continue
+        ev = lambda key: [r["eval"][key] for r in rs]
+        cells = [VARIANTS[name][0], ",".join(str(r["seed"]) for r in rs),
+                 stat(ev("eval/test/accuracy")),
+                 *[stat(ev(f"eval/test/accuracy/{d}")) for d in domains],
+                 stat(ev("eval/test_novel/accuracy")), stat(ev("eval/test/llm_calls_per_query")),
+                 stat(ev("eval/test/memory_hit_rate")),
+                 stat([r["steps"] for r in rs]), stat([r["generated_tokens"] for r in rs])]
+        lines.append("| " + " | ".join(cells) + " |")
+    table = "\n".join(lines)
+    with open(out_md, "w") as f:
+        f.write(table + "\n")
+    _plot(by_variant, out_png)
+    return table
+
+
+def _plot(by_variant: dict[str, list[dict]], path: str) -> None:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4), layout="constrained")
+    ax = fig.subplots()
+    for name, rs in by_variant.items():
+        for i, r in enumerate(rs):
+            if not r["curve"]:
+                continue
+            x = [p["tokens"] for p in r["curve"]]
+            y = np.convolve([p["accuracy"] for p in r["curve"]], np.ones(3) / 3, mode="same")
+            ax.plot(x, y, color=f"C{list(VARIANTS).index(name)}", alpha=0.8,
+                    label=VARIANTS[name][0] if i == 0 else None)
+    ax.set_xlabel("generated tokens (sampler budget)")
+    ax.set_ylabel("rollout accuracy (3-step mean)")
+    ax.legend(fontsize=7)
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--root", default="runs/learning_study")
+    p.add_argument("--seeds", default="0")
+    p.add_argument("--variants", default=",".join(MAIN))
+    p.add_argument("--tokens", type=int, default=60_000, help="sampler-token budget per run")
+    p.add_argument("--max_steps", type=int, default=60)
+    p.add_argument("--report", action="store_true", help="only aggregate the cached runs")
+    p.add_argument("--out", default="benchmarks/learning_study")
+    a = p.parse_args()
+    os.makedirs(a.root, exist_ok=True)
+    if not a.report:
+        for seed in map(int, a.seeds.split(",")):
+            for name in a.variants.split(","):
+                if name not in VARIANTS:
+                    raise SystemExit(f"unknown variant {name!r}; choose from {list(VARIANTS)}")
+                path = os.path.join(a.root, f"result_{name}_s{seed}.json")
+                if os.path.exists(path):
+                    continue
+                result = run_variant(a.root, seed, name, a.tokens, a.max_steps)
+                with open(path, "w") as f:
+                    json.dump(result, f, indent=1)
+                print(name, seed, {k: round(v, 3) for k, v in result["eval"].items()
+                                   if k.endswith("accuracy") or "llm_calls" in k}, flush=True)
+    print(report(a.root, a.out + ".md", a.out + ".png"))
+
+
+if __name__ == "__main__":
+    main()
