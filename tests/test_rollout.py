@@ -169,17 +169,27 @@ def test_config_errors():
         rollout.RolloutConfig("nodewise", 1)
 
 
+TINY_POLICY = qwen2.Qwen2Config(vocab_size=TOK.vocab_size, hidden_size=32, intermediate_size=64,
+                                num_layers=1, num_heads=2, num_kv_heads=1,
+                                max_position_embeddings=1024)
+
+
+def _sampler_policy(agents, scfg: SamplingConfig) -> rollout.SamplerPolicy:
+    """Random tiny policies for `agents`, stacked in one group."""
+    keys = jax.random.split(jax.random.key(0), len(agents))
+    params = jax.tree.map(lambda *x: np.stack(x),
+                          *[qwen2.init_params(TINY_POLICY, k) for k in keys])
+    policy = rollout.SamplerPolicy({"all": Sampler(TINY_POLICY, pad_id=TOK.pad_id, tokenizer=TOK)},
+                                   {a: ("all", i) for i, a in enumerate(agents)}, scfg, TOK,
+                                   jax.random.key(1))
+    policy.params = {"all": params}
+    return policy
+
+
 @pytest.mark.parametrize("mode", ["nodewise", "trajectory", "full_tree"])
 def test_real_sampler_with_random_tiny_policies(mode, examples, sys_):
-    cfg = qwen2.Qwen2Config(vocab_size=TOK.vocab_size, hidden_size=32, intermediate_size=64,
-                            num_layers=1, num_heads=2, num_kv_heads=1, max_position_embeddings=1024)
     agents = sys_.agents
-    keys = jax.random.split(jax.random.key(0), len(agents))
-    params = jax.tree.map(lambda *x: np.stack(x), *[qwen2.init_params(cfg, k) for k in keys])
-    policy = rollout.SamplerPolicy({"all": Sampler(cfg, pad_id=TOK.pad_id, tokenizer=TOK)},
-                                   {a: ("all", i) for i, a in enumerate(agents)},
-                                   SamplingConfig(8), TOK, jax.random.key(1))
-    policy.params = {"all": params}
+    policy = _sampler_policy(agents, SamplingConfig(8))
     limits = system.Limits(max_nodes=2, max_tokens_per_node=8)
     small = system.make_system(suite.suite_world(suite.TINY), limits=limits)
     exs = [examples["math"], examples["qa"]]
@@ -201,21 +211,13 @@ def test_policy_vmaps_agents_only_when_padding_is_free(counts, vmapped):
 
 def test_separate_and_vmapped_agent_calls_sample_alike(examples, sys_, monkeypatch):
     """Greedy outputs do not depend on whether agents share one vmapped sampler call."""
-    cfg = qwen2.Qwen2Config(vocab_size=TOK.vocab_size, hidden_size=32, intermediate_size=64,
-                            num_layers=1, num_heads=2, num_kv_heads=1, max_position_embeddings=512)
-    agents = sys_.agents
-    keys = jax.random.split(jax.random.key(0), len(agents))
-    params = jax.tree.map(lambda *x: np.stack(x), *[qwen2.init_params(cfg, k) for k in keys])
     inputs = [rollout.NodeInput(agent, p, TOK.encode(p), "sub")
               for agent, p in [("qa", "Where is it?"), ("math", "1+2"), ("qa", "Red?"),
                                ("math", "2*3 is")]]
     outputs = []
     for vmap in (True, False):
         monkeypatch.setattr(rollout, "_vmap_is_cheaper", lambda *a, v=vmap: v)
-        policy = rollout.SamplerPolicy({"all": Sampler(cfg, pad_id=TOK.pad_id, tokenizer=TOK)},
-                                       {a: ("all", i) for i, a in enumerate(agents)},
-                                       SamplingConfig(6, greedy=True), TOK, jax.random.key(1))
-        policy.params = {"all": params}
+        policy = _sampler_policy(sys_.agents, SamplingConfig(6, greedy=True))
         outputs.append([[g.text for g in row] for row in policy.sample(inputs, 2)])
         assert policy.calls == (1 if vmap else 2)
     assert outputs[0] == outputs[1]
