@@ -18,6 +18,7 @@ seeds) and `learning_curves.png` (rollout accuracy against generated tokens).
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import time
@@ -69,17 +70,24 @@ def sft_checkpoint(root: str, seed: int, data_dir: str) -> str:
 
 
 def evaluate(exp: experiment.Experiment, state, memory) -> dict[str, float]:
+    """Greedy evaluation on every split; with a memory also without it (prefix eval_nomem/),
+    which separates what the GRPO updates did from what the memory does."""
     out = {}
     for split, n in SPLITS.items():
         out.update(exp.evaluate(state, split, n, memory))
+        if memory is not None:
+            out.update({k.replace("eval/", "eval_nomem/", 1): v
+                        for k, v in exp.evaluate(state, split, n).items()})
     return out
 
 
-def run_variant(root: str, seed: int, name: str, tokens: int, max_steps: int) -> dict:
-    """GRPO from the seed's SFT checkpoint until `tokens` generated tokens; evaluation."""
+def run_variant(root: str, seed: int, name: str, tokens: int, max_steps: int,
+                extra: dict | None = None) -> dict:
+    """GRPO from the seed's SFT checkpoint until `tokens` generated tokens (or `max_steps`);
+    evaluation. `extra`: config overrides on top of the variant's."""
     data_dir = os.path.join(root, "data")
     sft_dir = sft_checkpoint(root, seed, data_dir)
-    c = config_for(seed, {**VARIANTS[name][1], "data_dir": data_dir})
+    c = config_for(seed, {**VARIANTS[name][1], **(extra or {}), "data_dir": data_dir})
     exp = experiment.Experiment(c, os.path.join(root, f"{name}_s{seed}"))
     with checkpoint.Checkpointer(os.path.join(sft_dir, "checkpoints"), keep=10) as ckpt:
         state, _, step, phase = train._restore(exp, ckpt, exp.init_state())
@@ -112,9 +120,14 @@ def report(root: str, out_md: str, out_png: str) -> str:
         by_variant.setdefault(r["variant"], []).append(r)
     domains = sorted({k.rsplit("/", 1)[1] for r in runs for k in r["eval"]
                       if k.startswith("eval/test/accuracy/")})
-    stat = lambda xs: f"{np.mean(xs):.3f} +- {np.std(xs):.3f}" if len(xs) > 1 else f"{xs[0]:.3f}"
-    head = ["variant", "seeds", "test acc", *domains, "test_novel acc", "LLM calls / query",
-            "memory hit rate", "GRPO steps", "generated tokens"]
+    stat = lambda xs, f=".3f": (f"{np.mean(xs):{f}} +- {np.std(xs):{f}}" if len(xs) > 1
+                                else f"{xs[0]:{f}}")
+    sft = {r["seed"]: r["eval"]["eval/test/accuracy"] for r in by_variant.get("sft_only", [])}
+    gain = lambda rs: stat([r["eval"]["eval/test/accuracy"] - sft[r["seed"]] for r in rs
+                            if r["seed"] in sft] or [float("nan")])
+    head = ["variant", "seeds", "test acc", "gain over SFT", *domains, "test acc without memory",
+            "test_novel acc", "LLM calls / query", "memory hit rate", "GRPO steps",
+            "generated tokens"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name in VARIANTS:
         rs = by_variant.get(name)
@@ -122,11 +135,14 @@ def report(root: str, out_md: str, out_png: str) -> str:
             continue
         ev = lambda key: [r["eval"][key] for r in rs]
         cells = [VARIANTS[name][0], ",".join(str(r["seed"]) for r in rs),
-                 stat(ev("eval/test/accuracy")),
+                 stat(ev("eval/test/accuracy")), gain(rs),
                  *[stat(ev(f"eval/test/accuracy/{d}")) for d in domains],
+                 stat([r["eval"].get("eval_nomem/test/accuracy", r["eval"]["eval/test/accuracy"])
+                       for r in rs]),
                  stat(ev("eval/test_novel/accuracy")), stat(ev("eval/test/llm_calls_per_query")),
                  stat(ev("eval/test/memory_hit_rate")),
-                 stat([r["steps"] for r in rs]), stat([r["generated_tokens"] for r in rs])]
+                 stat([r["steps"] for r in rs], ".1f"),
+                 stat([r["generated_tokens"] for r in rs], ".0f")]
         lines.append("| " + " | ".join(cells) + " |")
     table = "\n".join(lines)
     with open(out_md, "w") as f:
@@ -161,10 +177,15 @@ def main() -> None:
     p.add_argument("--variants", default=",".join(MAIN))
     p.add_argument("--tokens", type=int, default=60_000, help="sampler-token budget per run")
     p.add_argument("--max_steps", type=int, default=60)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override for every run, e.g. grpo.learning_rate=1e-4 (use a "
+                        "separate --root: results are cached by seed and variant)")
     p.add_argument("--report", action="store_true", help="only aggregate the cached runs")
     p.add_argument("--out", default="benchmarks/learning_study")
     a = p.parse_args()
     os.makedirs(a.root, exist_ok=True)
+    extra = {k: ast.literal_eval(v) if v[:1] in "0123456789-.[(" or v in ("True", "False")
+             else v for k, _, v in (item.partition("=") for item in a.set)}
     if not a.report:
         for seed in map(int, a.seeds.split(",")):
             for name in a.variants.split(","):
@@ -173,7 +194,7 @@ def main() -> None:
                 path = os.path.join(a.root, f"result_{name}_s{seed}.json")
                 if os.path.exists(path):
                     continue
-                result = run_variant(a.root, seed, name, a.tokens, a.max_steps)
+                result = run_variant(a.root, seed, name, a.tokens, a.max_steps, extra)
                 with open(path, "w") as f:
                     json.dump(result, f, indent=1)
                 print(name, seed, {k: round(v, 3) for k, v in result["eval"].items()
