@@ -161,11 +161,12 @@ def _plot(by_variant: dict[str, list[dict]], path: str) -> None:
             if not r["curve"]:
                 continue
             x = [p["tokens"] for p in r["curve"]]
-            y = np.convolve([p["accuracy"] for p in r["curve"]], np.ones(3) / 3, mode="same")
-            ax.plot(x, y, color=f"C{list(VARIANTS).index(name)}", alpha=0.8,
+            acc = [p["accuracy"] for p in r["curve"]]
+            y = [np.mean(acc[max(0, t - 2):t + 1]) for t in range(len(acc))]  # trailing mean
+            ax.plot(x, y, color=f"C{list(VARIANTS).index(name)}", alpha=0.7, lw=1,
                     label=VARIANTS[name][0] if i == 0 else None)
     ax.set_xlabel("generated tokens (sampler budget)")
-    ax.set_ylabel("rollout accuracy (3-step mean)")
+    ax.set_ylabel("rollout accuracy (trailing 3-step mean)")
     ax.legend(fontsize=7)
     fig.savefig(path, dpi=120)
 
