@@ -226,20 +226,23 @@ class Experiment:
         samples = [s for s in result.samples
                    if len(s.prompt_ids) + len(s.output_ids) <= self.config.max_len]
         trained = batching.informative(samples) if self.config.grpo.select == "groups" else samples
-        batch = batching.grpo_batch(trained or samples[:1], self.slots, self.group_sizes,
-                                    self.offsets, self.config.max_len, self.min_rows,
-                                    self.config.pad_to_max_len)
-        state, m = self._grpo_step(state, self._place_batch(batch))
-        if memory is not None:
-            memory.set_state(state)
-        metrics = self._per_agent({g: {k: v for k, v in agent_m.items() if k != "mean_reward"}
-                                   for g, agent_m in m["agents"].items()}, "grpo")
+        metrics = {f"grpo/{k}": 0.0 for k in ("kept_groups", "mixed_groups", "updated_agents",
+                                              "skipped")}
+        if trained:  # else no node group has a reward spread: nothing to learn, no step
+            batch = batching.grpo_batch(trained, self.slots, self.group_sizes, self.offsets,
+                                        self.config.max_len, self.min_rows,
+                                        self.config.pad_to_max_len)
+            state, m = self._grpo_step(state, self._place_batch(batch))
+            if memory is not None:
+                memory.set_state(state)
+            metrics = self._per_agent({g: {k: v for k, v in agent_m.items() if k != "mean_reward"}
+                                       for g, agent_m in m["agents"].items()}, "grpo")
+            metrics.update({f"grpo/{k}": float(m[k]) for k in ("kept_groups", "mixed_groups",
+                                                                "updated_agents", "skipped")})
         for agent in self.config.agents:  # over all rollout samples, not only the trained ones
             rewards = [s.reward for s in samples if s.agent == agent]
             metrics[f"grpo/reward/{agent}"] = float(np.mean(rewards)) if rewards else 0.0
         metrics["grpo/trained_samples"] = len(trained)
-        metrics.update({f"grpo/{k}": float(m[k]) for k in ("kept_groups", "mixed_groups",
-                                                            "updated_agents", "skipped")})
         metrics.update(self._rollout_metrics(result, rollout_seconds))
         metrics["grpo/dropped_too_long"] = len(result.samples) - len(samples)
         metrics["grpo/accuracy"] = float(np.mean([r.r_answer for r in result.rewards]))

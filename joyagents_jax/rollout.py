@@ -364,7 +364,8 @@ def _vmap_is_cheaper(sampler, prompts_per_slot: dict[int, int], num_agents: int)
 
 
 class SamplerPolicy:
-    """Samples node outputs with `Sampler`s: one sampler call per agent group per wave.
+    """Samples node outputs with `Sampler`s: per agent group and wave, one vmapped call for all
+    its agents, or one call per agent when vmapping would pad more rows (`_vmap_is_cheaper`).
 
     agent_slots: agent -> (group name, index in that group's stacked params). Set `params`
     ({group: stacked params}) and `key` before sampling; each call splits the key.
@@ -388,22 +389,21 @@ class SamplerPolicy:
             sampler, params = self.samplers[group], self.params[group]
             stops = lambda idx: [protocol.stop_strings(inputs[i].role) for i in idx]
             prompts = lambda idx: [inputs[i].prompt_ids for i in idx]
-            kw = dict(key=key, scfg=self.scfg, group_size=group_size,
-                      stop_ids=self.tokenizer.stop_ids)
+            kw = dict(scfg=self.scfg, group_size=group_size, stop_ids=self.tokenizer.stop_ids)
             num = jax.tree.leaves(params)[0].shape[0]
             if _vmap_is_cheaper(sampler, {s: len(idx) for s, idx in slots.items()}, num):
                 fill = lambda s, f, dummy: f(slots[s]) if s in slots else dummy
                 per_agent = sampler.generate_per_agent(
                     params, [fill(s, prompts, [[self.tokenizer.pad_id]]) for s in range(num)],
-                    stop_strings=[fill(s, stops, [()]) for s in range(num)], **kw)
+                    stop_strings=[fill(s, stops, [()]) for s in range(num)], key=key, **kw)
                 results = {s: per_agent[s] for s in slots}
                 self.calls += 1
             else:
                 results = {}
                 for slot, idx in slots.items():
-                    kw["key"], key = jax.random.split(kw["key"])
+                    key, slot_key = jax.random.split(key)
                     results[slot] = sampler.generate(params, prompts(idx), agent=slot,
-                                                     stop_strings=stops(idx), **{**kw, "key": key})
+                                                     stop_strings=stops(idx), key=slot_key, **kw)
                     self.calls += 1
             for slot, idx in slots.items():
                 for row, i in enumerate(idx):
