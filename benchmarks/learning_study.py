@@ -90,14 +90,14 @@ def run_variant(root: str, seed: int, name: str, tokens: int, max_steps: int,
     c = config_for(seed, {**VARIANTS[name][1], **(extra or {}), "data_dir": data_dir})
     exp = experiment.Experiment(c, os.path.join(root, f"{name}_s{seed}"))
     with checkpoint.Checkpointer(os.path.join(sft_dir, "checkpoints"), keep=10) as ckpt:
-        state, _, step, phase = train._restore(exp, ckpt, exp.init_state())
+        state, _, step, phase = train.restore(exp, ckpt, exp.init_state())
     if (step, phase) != (c.sft.steps, "sft"):
         raise RuntimeError(f"{sft_dir} holds step {step} ({phase}), not the end of SFT.")
     start, curve, generated = time.time(), [], 0
     memory = None
     if name != "sft_only":
         state = exp.start_grpo(state)
-        memory = train._make_memory(exp, state)
+        memory = train.make_memory(exp, state)
         for k in range(max_steps):
             if generated >= tokens:
                 break

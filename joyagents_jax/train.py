@@ -31,7 +31,8 @@ def _checkpoint_tree(state, memory) -> dict:
     return {"state": state, "memory": memory.tables if memory is not None else {}}
 
 
-def _make_memory(exp: experiment.Experiment, state):
+def make_memory(exp: experiment.Experiment, state):
+    """The memory hook for a GRPO phase (None when the config turns the memory off)."""
     if not exp.config.memory.enabled:
         return None
     from joyagents_jax import memory as memory_lib
@@ -54,14 +55,14 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
                                  best_metric=BEST) as ckpt, \
             metrics.MetricsWriter(workdir, enabled=primary) as writer, \
             checkpoint.PreemptionGuard() as guard:
-        state, memory, step, phase = _restore(exp, ckpt, fresh)
+        state, memory, step, phase = restore(exp, ckpt, fresh)
         writer.truncate_after(step)
         progress = metrics.Progress(total, "train", initial=step, enabled=primary)
         last_eval: dict[str, float] = {}
         while step < total:
             if phase == "sft" and step >= sft_steps:
                 state, phase = exp.start_grpo(state), "grpo"
-                memory = _make_memory(exp, state)
+                memory = make_memory(exp, state)
             if phase == "sft":
                 state, m = exp.sft_step(state, step)
                 postfix = {"loss": m["sft/loss"]}
@@ -101,7 +102,7 @@ def evaluate_all(exp: experiment.Experiment, state, memory) -> dict[str, float]:
     return out
 
 
-def _restore(exp: experiment.Experiment, ckpt: checkpoint.Checkpointer, fresh):
+def restore(exp: experiment.Experiment, ckpt: checkpoint.Checkpointer, fresh):
     """(state, memory, step, phase) from the latest readable checkpoint, or the fresh start.
 
     The checkpoint's phase decides the state's structure (SFT or GRPO optimizer, memory), so
@@ -119,12 +120,12 @@ def _restore(exp: experiment.Experiment, ckpt: checkpoint.Checkpointer, fresh):
 def abstract_tree(exp: experiment.Experiment, fresh, phase: str) -> dict:
     """A tree shaped like the checkpoint of `phase` (GRPO: new optimizer, memory tables)."""
     state = exp.start_grpo(fresh) if phase == "grpo" else fresh
-    return _checkpoint_tree(state, _make_memory(exp, state) if phase == "grpo" else None)
+    return _checkpoint_tree(state, make_memory(exp, state) if phase == "grpo" else None)
 
 
 def from_tree(exp: experiment.Experiment, tree: dict, phase: str):
     """(state, memory hook) of a restored tree; the hook embeds with the restored reference."""
-    memory = _make_memory(exp, tree["state"]) if phase == "grpo" else None
+    memory = make_memory(exp, tree["state"]) if phase == "grpo" else None
     if memory is not None:
         memory.tables = tree["memory"]
     return tree["state"], memory
