@@ -2,11 +2,12 @@
 
 One jitted step of every agent (A stacked agents, B samples of T tokens each, mu inner updates
 plus the reference forward), on random weights and tokens, at the CPU default's size and at
-~30M parameters. FLOPs: 6 x matmul params x tokens per inner step (forward + backward) plus
-2 x matmul params x tokens for the reference forward, plus attention (4 L T D per token
-forward, x3 with the backward).
+~30M parameters; ~120M runs with one agent to fit the 10-minute budget. FLOPs: 6 x matmul
+params x tokens per inner step (forward + backward) plus 2 x matmul params x tokens for the
+reference forward, plus attention (4 L T D per token forward, x3 with the backward).
 
     python benchmarks/train_step.py [--sizes tiny,small-30m] [--agents 5] [--batch 16] [--seq 256]
+    python benchmarks/train_step.py --sizes base-120m --agents 1
 """
 
 from __future__ import annotations

@@ -37,6 +37,10 @@ PRESETS: dict[str, Qwen2Config] = {
     "small-30m": Qwen2Config(vocab_size=264, hidden_size=512, intermediate_size=1536,
                              num_layers=9, num_heads=8, num_kv_heads=2, rope_theta=1e4,
                              max_position_embeddings=4096),
+    # ~120M parameters: the benchmarks' large CPU size (byte vocabulary, Qwen2.5's 6:1 GQA).
+    "base-120m": Qwen2Config(vocab_size=264, hidden_size=768, intermediate_size=3072,
+                             num_layers=14, num_heads=12, num_kv_heads=2, rope_theta=1e4,
+                             max_position_embeddings=4096),
 }
 
 

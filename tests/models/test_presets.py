@@ -28,5 +28,6 @@ def test_overrides_and_unknown():
         presets.get_preset("qwen9")
 
 
-def test_small_30m_size():
+def test_benchmark_sizes():
     assert 25e6 < qwen2.count_params(presets.get_preset("small-30m")) < 40e6
+    assert 110e6 < qwen2.count_params(presets.get_preset("base-120m")) < 130e6
