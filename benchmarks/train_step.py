@@ -4,7 +4,10 @@ One jitted step of every agent (A stacked agents, B samples of T tokens each, mu
 plus the reference forward), on random weights and tokens, at the CPU default's size and at
 ~30M parameters; ~120M runs with one agent to fit the 10-minute budget. FLOPs: 6 x matmul
 params x tokens per inner step (forward + backward) plus 2 x matmul params x tokens for the
-reference forward, plus attention (4 L T D per token forward, x3 with the backward).
+reference forward, plus attention (4 L T D per token forward, x3 with the backward). The
+reference forward (log pi_ref of every sample, the step's only no-gradient pass) is also timed
+alone, as its share of the step; the rollout and memory shares of a real step are in
+`metrics.jsonl` (`rollout/seconds`, `time/update_seconds`, `time/memory_update_seconds`).
 
     python benchmarks/train_step.py [--sizes tiny,small-30m] [--agents 5] [--batch 16] [--seq 256]
     python benchmarks/train_step.py --sizes base-120m --agents 1
@@ -24,7 +27,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import hardware  # noqa: E402
 
-from joyagents_jax import grpo, grpo_step  # noqa: E402
+from joyagents_jax import grpo, grpo_step, sft  # noqa: E402
 from joyagents_jax import train_state as ts  # noqa: E402
 from joyagents_jax.models import presets, qwen2  # noqa: E402
 
@@ -55,6 +58,25 @@ def batch(cfg, agents, b, t, seed=0) -> grpo_step.GRPOBatch:
     return grpo_step.GRPOBatch(rollouts={"all": rollouts}, group_agent=owner)
 
 
+def best_time(fn, carry, repeats: int) -> float:
+    """Min wall time of `carry = fn(carry)` over `repeats` calls after a warm-up (compile) call.
+    Threading the carry lets fn donate its input (the GRPO step donates the state)."""
+    carry = jax.block_until_ready(fn(carry))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        carry = jax.block_until_ready(fn(carry))
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def reference_forward(cfg: qwen2.Qwen2Config):
+    """log pi_ref of every sample of every agent: params [A, ...], tokens/mask [A, B, T]."""
+    def one_agent(params, tokens, mask):
+        return grpo.token_logprobs(sft.next_token_logits(cfg, params, tokens, mask), tokens[:, 1:])
+    return jax.jit(jax.vmap(one_agent))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="tiny,small-30m")
@@ -66,8 +88,9 @@ def main():
     args = parser.parse_args()
     peak = hardware.matmul_peak(jnp.float32)
     print(f"# devices {jax.devices()}; f32 matmul peak {peak / 1e9:.1f} GFLOP/s")
-    print("| model | params | agents x batch x seq | step s | GFLOP/step | GFLOP/s | % of peak |")
-    print("|---|---|---|---|---|---|---|")
+    print("| model | params | agents x batch x seq | step s | GFLOP/step | GFLOP/s | % of peak "
+          "| reference forward s | share of step |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for size in args.sizes.split(","):
         cfg = presets.get_preset(size)
         group = ts.init_random_group(cfg, ts.OptimConfig(learning_rate=1e-4), args.agents,
@@ -76,18 +99,14 @@ def main():
         step = grpo_step.make_grpo_step(grpo_step.GRPOStepConfig(
             loss=grpo.GRPOConfig(beta=0.04), inner_steps=args.inner))
         data = batch(cfg, args.agents, args.batch, args.seq)
-        state, _ = step(state, data)  # compile
-        times = []
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            state, m = step(state, data)
-            jax.block_until_ready(state)
-            times.append(time.perf_counter() - start)
-        t = min(times)
+        r, ref = data.rollouts["all"], reference_forward(cfg)
+        t_ref = best_time(lambda _: ref(group.params, r.tokens, r.mask), None, args.repeats)
+        t = best_time(lambda s: step(s, data)[0], state, args.repeats)
         flops = step_flops(cfg, args.agents, args.batch, args.seq, args.inner)
         print(f"| {size} | {qwen2.count_params(cfg) / 1e6:.2f}M | {args.agents}x{args.batch}x"
               f"{args.seq} | {t:.3f} | {flops / 1e9:.1f} | {flops / t / 1e9:.1f} | "
-              f"{100 * flops / t / peak:.0f}% |", flush=True)
+              f"{100 * flops / t / peak:.0f}% | {t_ref:.3f} | {100 * t_ref / t:.0f}% |",
+              flush=True)
 
 
 if __name__ == "__main__":

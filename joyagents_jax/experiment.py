@@ -228,15 +228,19 @@ class Experiment:
         trained = batching.informative(samples) if self.config.grpo.select == "groups" else samples
         metrics = {f"grpo/{k}": 0.0 for k in ("kept_groups", "mixed_groups", "updated_agents",
                                               "skipped")}
+        metrics["time/update_seconds"] = 0.0
         if trained:  # else no node group has a reward spread: nothing to learn, no step
             batch = batching.grpo_batch(trained, self.slots, self.group_sizes, self.offsets,
                                         self.config.max_len, self.min_rows,
                                         self.config.pad_to_max_len)
-            state, m = self._grpo_step(state, self._place_batch(batch))
+            update_start = time.perf_counter()
+            state, m = jax.block_until_ready(self._grpo_step(state, self._place_batch(batch)))
+            metrics["time/update_seconds"] = time.perf_counter() - update_start
             if memory is not None:
                 memory.set_state(state)
-            metrics = self._per_agent({g: {k: v for k, v in agent_m.items() if k != "mean_reward"}
-                                       for g, agent_m in m["agents"].items()}, "grpo")
+            metrics.update(self._per_agent({g: {k: v for k, v in agent_m.items()
+                                                if k != "mean_reward"}
+                                            for g, agent_m in m["agents"].items()}, "grpo"))
             metrics.update({f"grpo/{k}": float(m[k]) for k in ("kept_groups", "mixed_groups",
                                                                 "updated_agents", "skipped")})
         for agent in self.config.agents:  # over all rollout samples, not only the trained ones

@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import sys
+import time
 
 import jax
 import ml_collections
@@ -69,8 +70,10 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
             else:
                 state, m, result = exp.grpo_step(state, step - sft_steps, memory)
                 if memory is not None:
+                    memory_start = time.perf_counter()
                     m.update({f"memory/{k}": v
                               for k, v in memory.update_from_rollout(result, step).items()})
+                    m["time/memory_update_seconds"] = time.perf_counter() - memory_start
                 postfix = {"reward": m["grpo/reward"], "acc": m["grpo/accuracy"],
                            "tok/s": m["rollout/tokens_per_second"]}
             step += 1

@@ -141,6 +141,9 @@ def test_cli_train_eval_export_plot(reference_run, tmp_path):
     rows = metrics.read_metrics(reference_run)
     assert [r["step"] for r in rows] == list(range(1, 7))
     assert {r["phase"] for r in rows} == {"sft", "grpo"}
+    for r in (r for r in rows if r["phase"] == "grpo"):  # the step's cost split
+        assert 0 < r["rollout/seconds"] + r["time/update_seconds"] <= r["time/step_seconds"]
+        assert r["time/memory_update_seconds"] > 0
     assert all(p.endswith(".png") for p in os.listdir(os.path.join(reference_run, "plots")))
     assert json.load(open(os.path.join(reference_run, "final_eval.json")))["eval/test/accuracy"] >= 0
 
