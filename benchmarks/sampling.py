@@ -8,7 +8,8 @@ prompt. Roofline: model FLOPs per generated token (2 x matmul params + attention
 times tokens/s, against min(measured matmul peak, the rate that memory bandwidth allows when
 every decode step streams the weights and the KV cache once).
 
-    python benchmarks/sampling.py [--sizes tiny,small-30m,base-120m] [--prompt-len 64] [--repeats 3]
+    python benchmarks/sampling.py [--sizes tiny,small-30m] [--prompt-len 64] [--repeats 3]
+    python benchmarks/sampling.py --sizes base-120m --repeats 2
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def hf(folder, prompts, repeats):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", default="tiny,small-30m,base-120m")
+    parser.add_argument("--sizes", default="tiny,small-30m")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
