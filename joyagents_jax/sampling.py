@@ -126,8 +126,7 @@ def generate_arrays(cfg: Qwen2Config, scfg: SamplingConfig, group_size: int, par
 
     # Share the prefill with the group: row r = prompt r // G, sample r % G.
     repeat = lambda x, axis: jnp.repeat(x, g, axis=axis)
-    cache = qwen2.KVCache(k=repeat(cache.k, 1), v=repeat(cache.v, 1), mask=repeat(cache.mask, 0),
-                          index=cache.index)
+    cache = qwen2.repeat_cache(cache, g)
     logits, stop_ids, stop_seqs = repeat(logits, 0), repeat(stop_ids, 0), repeat(stop_seqs, 0)
     next_pos = repeat(positions[:, -1] + 1, 0)
 

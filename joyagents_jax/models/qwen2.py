@@ -89,14 +89,16 @@ class KVCache:
     next tokens go; `mask` marks slots that hold real tokens.
     """
 
-    k: jax.Array  # [L, B, K, Hd, S]: keys with slots minor, so q.k reads them contiguously
-    v: jax.Array  # [L, B, K, S, Hd]
+    # [L, B, K, S, Hd] and [L, B, K, Hd, S] (each attention product's contracted axis minor);
+    # with unrolled layers, tuples of L per-layer buffers (see `init_cache`).
+    k: Any
+    v: Any
     mask: jax.Array  # [B, S] bool
     index: jax.Array  # [] int32, next slot to write
 
     @property
     def length(self) -> int:
-        return self.k.shape[-1]
+        return self.mask.shape[1]
 
 
 class Output(NamedTuple):
@@ -157,12 +159,25 @@ def init_params(cfg: Qwen2Config, key: jax.Array, std: float = 0.02) -> Params:
 
 
 def init_cache(cfg: Qwen2Config, batch: int, length: int, dtype: Any = None) -> KVCache:
-    """An empty cache with `length` slots (prompt plus new tokens)."""
+    """An empty cache with `length` slots (prompt plus new tokens).
+
+    Scanned layers read a stacked [L, ...] cache. Unrolled layers keep one buffer per layer,
+    which a decode step's attention reads directly: XLA's CPU backend copies a layer's slice of
+    a stacked cache before every read.
+    """
     dtype = jnp.dtype(dtype or cfg.dtype)
-    k_shape = (cfg.num_layers, batch, cfg.num_kv_heads, cfg.head_dim, length)
-    v_shape = (cfg.num_layers, batch, cfg.num_kv_heads, length, cfg.head_dim)
-    return KVCache(k=jnp.zeros(k_shape, dtype), v=jnp.zeros(v_shape, dtype),
-                   mask=jnp.zeros((batch, length), bool), index=jnp.zeros((), jnp.int32))
+    k = jnp.zeros((cfg.num_layers, batch, cfg.num_kv_heads, length, cfg.head_dim), dtype)
+    v = jnp.zeros((cfg.num_layers, batch, cfg.num_kv_heads, cfg.head_dim, length), dtype)
+    per_layer = (lambda x: x) if cfg.scan_layers else tuple
+    return KVCache(k=per_layer(k), v=per_layer(v), mask=jnp.zeros((batch, length), bool),
+                   index=jnp.zeros((), jnp.int32))
+
+
+def repeat_cache(cache: KVCache, g: int) -> KVCache:
+    """Each batch row's cache repeated g times (row r -> rows r * g ... r * g + g - 1)."""
+    rep = lambda x: jnp.repeat(x, g, axis=x.ndim - 4)  # the batch axis of [(L,) B, K, ., .]
+    return KVCache(k=jax.tree.map(rep, cache.k), v=jax.tree.map(rep, cache.v),
+                   mask=jnp.repeat(cache.mask, g, axis=0), index=cache.index)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -203,7 +218,7 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 def attention(q: jax.Array, segments: list[tuple[jax.Array, jax.Array, jax.Array]]) -> jax.Array:
     """Grouped-query attention of q [B, T, N, Hd] over key/value segments -> [B, T, N, Hd].
 
-    Each segment is (k [B, K, Hd, S], v [B, K, S, Hd], allowed [B, T, S]), the cache's layout;
+    Each segment is (k [B, K, S, Hd], v [B, K, Hd, S], allowed [B, T, S]), the cache's layout;
     the softmax runs over all segments together. Decoding attends to the read-only cache and
     the new tokens as two segments, so the cache is never copied to append to it.
     """
@@ -212,14 +227,14 @@ def attention(q: jax.Array, segments: list[tuple[jax.Array, jax.Array, jax.Array
     q = q.reshape(b, t, kv_heads, n // kv_heads, hd)
     scores = []
     for k, _, allowed in segments:
-        s = jnp.einsum("btkgh,bkhs->bkgts", q, k, preferred_element_type=jnp.float32)
+        s = jnp.einsum("btkgh,bksh->bkgts", q, k, preferred_element_type=jnp.float32)
         scores.append(jnp.where(allowed[:, None, None], s * (hd ** -0.5), jnp.finfo(jnp.float32).min))
     probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
     out, start = 0, 0
     for k, v, _ in segments:
-        p = probs[..., start:start + k.shape[-1]].astype(v.dtype)
-        out = out + jnp.einsum("bkgts,bksh->btkgh", p, v)
-        start += k.shape[-1]
+        p = probs[..., start:start + k.shape[-2]].astype(v.dtype)
+        out = out + jnp.einsum("bkgts,bkhs->btkgh", p, v)
+        start += k.shape[-2]
     return out.reshape(b, t, n, hd)
 
 
@@ -232,7 +247,7 @@ def decoder_layer(cfg: Qwen2Config, p: Params, x: jax.Array, rope, allowed: jax.
                   past: tuple[jax.Array, jax.Array, jax.Array] | None = None):
     """One pre-norm block. x [B, T, D], allowed [B, T, T] among the new tokens.
 
-    past: this layer's cache (k [B, K, Hd, S], v [B, K, S, Hd], allowed [B, T, S]) or None.
+    past: this layer's cache (k [B, K, S, Hd], v [B, K, Hd, S], allowed [B, T, S]) or None.
     Returns the new x and the new tokens' (k, v) in the cache layout for the caller to write.
     """
     dt = jnp.dtype(cfg.dtype)
@@ -240,8 +255,8 @@ def decoder_layer(cfg: Qwen2Config, p: Params, x: jax.Array, rope, allowed: jax.
     a = p["attn"]
     q = apply_rope(_dense(h, a["q"], "btd,dnh->btnh", dt), *rope)
     k = apply_rope(_dense(h, a["k"], "btd,dnh->btnh", dt), *rope)
-    k = k.transpose(0, 2, 3, 1)  # [B, K, Hd, T]
-    v = _dense(h, a["v"], "btd,dnh->btnh", dt).transpose(0, 2, 1, 3)  # [B, K, T, Hd]
+    k = k.transpose(0, 2, 1, 3)  # [B, K, T, Hd]
+    v = _dense(h, a["v"], "btd,dnh->btnh", dt).transpose(0, 2, 3, 1)  # [B, K, Hd, T]
     segments = [(k, v, allowed)]
     if past is not None:
         segments.append((past[0].astype(dt), past[1].astype(dt), past[2]))
@@ -268,7 +283,8 @@ def unembed(cfg: Qwen2Config, params: Params, hidden: jax.Array) -> jax.Array:
 
 def _layers(cfg: Qwen2Config, params: Params, tokens: jax.Array, positions: jax.Array,
             mask: jax.Array, past: KVCache | None):
-    """Runs every layer; returns final-norm hidden [B, T, D] and new k [L, B, K, Hd, T], v [L, B, K, T, Hd]."""
+    """Runs every layer; returns final-norm hidden [B, T, D] and the new tokens' k
+    [L, B, K, T, Hd] and v [L, B, K, Hd, T] (tuples over unrolled layers, as the cache)."""
     dt = jnp.dtype(cfg.dtype)
     mask = mask.astype(bool)
     t = tokens.shape[1]
@@ -286,15 +302,16 @@ def _layers(cfg: Qwen2Config, params: Params, tokens: jax.Array, positions: jax.
 
     if cfg.remat:
         body = jax.checkpoint(body, prevent_cse=False)
-    layers = (params["layers"], None if past is None else (past.k, past.v))
     if cfg.scan_layers:
-        x, (k, v) = jax.lax.scan(body, x, layers)
+        past_kv = None if past is None else (past.k, past.v)
+        x, (k, v) = jax.lax.scan(body, x, (params["layers"], past_kv))
     else:  # unrolled: faster for shallow models on CPU, same params layout
         new = []
         for i in range(cfg.num_layers):
-            x, kv = body(x, jax.tree.map(lambda a: a[i], layers))
+            kv = None if past is None else (past.k[i], past.v[i])
+            x, kv = body(x, (jax.tree.map(lambda a: a[i], params["layers"]), kv))
             new.append(kv)
-        k, v = (jnp.stack(t) for t in zip(*new))
+        k, v = (tuple(t) for t in zip(*new))
     return rms_norm(x, params["final_norm"]["scale"], cfg.rms_norm_eps), k, v
 
 
@@ -310,10 +327,17 @@ def hidden_states(cfg: Qwen2Config, params: Params, tokens: jax.Array, positions
         return hidden, None
     i = cache.index
     return hidden, KVCache(
-        k=jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), (0, 0, 0, 0, i)),
-        v=jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), (0, 0, 0, i, 0)),
+        k=jax.tree.map(lambda c, x: _write(c, x, c.ndim - 2, i), cache.k, k),
+        v=jax.tree.map(lambda c, x: _write(c, x, c.ndim - 1, i), cache.v, v),
         mask=jax.lax.dynamic_update_slice(cache.mask, mask.astype(bool), (0, cache.index)),
         index=cache.index + tokens.shape[1])
+
+
+def _write(cache: jax.Array, new: jax.Array, axis: int, index: jax.Array) -> jax.Array:
+    """cache with `new` written at slots [index, index + T) of its slot `axis`."""
+    start = [0] * cache.ndim
+    start[axis] = index
+    return jax.lax.dynamic_update_slice(cache, new.astype(cache.dtype), start)
 
 
 def prefill(cfg: Qwen2Config, params: Params, tokens: jax.Array, positions: jax.Array,
@@ -322,8 +346,10 @@ def prefill(cfg: Qwen2Config, params: Params, tokens: jax.Array, positions: jax.
     hidden, k, v = _layers(cfg, params, tokens, positions, mask, None)
     extra = length - tokens.shape[1]
     dtype = jnp.dtype(dtype or cfg.dtype)
-    pad = lambda x, axis: jnp.pad(x.astype(dtype), [(0, extra if a == axis else 0) for a in range(5)])
-    return hidden, KVCache(k=pad(k, 4), v=pad(v, 3),
+    pad = lambda x, axis: jnp.pad(x.astype(dtype), [(0, extra if a == x.ndim + axis else 0)
+                                                    for a in range(x.ndim)])
+    return hidden, KVCache(k=jax.tree.map(lambda x: pad(x, -2), k),
+                           v=jax.tree.map(lambda x: pad(x, -1), v),
                            mask=jnp.pad(mask.astype(bool), ((0, 0), (0, extra))),
                            index=jnp.asarray(tokens.shape[1], jnp.int32))
 

@@ -1,5 +1,6 @@
 """Our Qwen2 forward vs transformers' PyTorch Qwen2ForCausalLM, and KV-cache consistency."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -75,6 +76,29 @@ def test_prefill_then_decode_equals_full_forward(remat, scan):
     assert int(cache.index) == 9
     incremental = jnp.concatenate(pieces, axis=1)
     np.testing.assert_allclose(np.asarray(incremental)[mask], np.asarray(full)[mask], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("scan", [True, False])
+def test_cache_layout_and_repeat(scan):
+    """Stacked buffers for scanned layers, one per layer for unrolled ones; both repeat rows."""
+    cfg = qwen2.Qwen2Config(vocab_size=50, hidden_size=32, intermediate_size=64, num_layers=3,
+                            num_heads=4, num_kv_heads=2, scan_layers=scan)
+    cache = qwen2.init_cache(cfg, batch=2, length=5)
+    if scan:
+        chex.assert_shape([cache.k, cache.v], [(3, 2, 2, 5, 8), (3, 2, 2, 8, 5)])
+    else:
+        assert isinstance(cache.k, tuple) and len(cache.k) == len(cache.v) == 3
+        chex.assert_shape([*cache.k, *cache.v], [(2, 2, 5, 8)] * 3 + [(2, 2, 8, 5)] * 3)
+    assert cache.length == 5
+    fill = lambda x: jax.random.normal(jax.random.key(x.size), x.shape)
+    cache = cache.replace(k=jax.tree.map(fill, cache.k), v=jax.tree.map(fill, cache.v),
+                          mask=jnp.array([[1, 1, 0, 0, 0], [0, 1, 1, 0, 0]], bool))
+    rep = qwen2.repeat_cache(cache, 3)
+    batch_axis = 1 if scan else 0
+    for a, b in zip(jax.tree.leaves((cache.k, cache.v)), jax.tree.leaves((rep.k, rep.v))):
+        np.testing.assert_array_equal(np.repeat(np.asarray(a), 3, axis=batch_axis), b)
+    np.testing.assert_array_equal(rep.mask, np.repeat(np.asarray(cache.mask), 3, axis=0))
+    assert rep.mask.shape == (6, 5)
 
 
 def test_bf16_compute_close_to_f32():
