@@ -220,7 +220,7 @@ def attention(q: jax.Array, segments: list[tuple[jax.Array, jax.Array, jax.Array
 
     Each segment is (k [B, K, S, Hd], v [B, K, Hd, S], allowed [B, T, S]), the cache's layout;
     the softmax runs over all segments together. Decoding attends to the read-only cache and
-    the new tokens as two segments, so the cache is never copied to append to it.
+    the new tokens as two segments, so appending needs no concatenation of the cache.
     """
     b, t, n, hd = q.shape
     kv_heads = segments[0][0].shape[1]
