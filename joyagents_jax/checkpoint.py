@@ -37,10 +37,16 @@ In a train loop (every process runs all of it; `save` is a collective):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import json
 import logging
+import os
+import re
 import signal
+import sys
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -54,6 +60,7 @@ from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers as policies
 
 STATE, METADATA, LAYOUT = "state", "metadata", "layout"
+_REQUIRED = (f"{STATE}/manifest.ocdbt", f"{STATE}/_METADATA")  # OCDBT's index of the arrays
 
 
 class CheckpointMismatchError(ValueError):
@@ -279,6 +286,9 @@ class Checkpointer:
         shape, FileNotFoundError if there is no such step.
         """
         step, items = self._json_items(step)
+        missing = [name for name in _REQUIRED if not (self.directory / str(step) / name).exists()]
+        if missing:  # checked here: tensorstore's own failure floods stderr (see _quiet_stderr)
+            raise FileNotFoundError(f"checkpoint step {step} lacks {', '.join(missing)}")
         metadata = items[METADATA]
         if callable(abstract):
             abstract = abstract(metadata)
@@ -299,17 +309,20 @@ class Checkpointer:
         `restore`; pass a function of the metadata when the state's shape depends on the step
         (a fallback may cross the SFT -> GRPO boundary). A `CheckpointMismatchError` (wrong
         config) is raised, never treated as corruption. Raises RuntimeError if steps exist but
-        none is readable.
+        none is readable. The tracebacks tensorstore's late callbacks print after a failed read
+        ("Event loop is closed") are held back and counted in one warning.
         """
         tried = self.all_steps()
-        for step in reversed(tried):
-            try:
-                return self.restore(abstract, step)
-            except CheckpointMismatchError:
-                raise
-            except Exception as e:  # noqa: BLE001 - any read failure means this step is unusable
-                self._set_aside(step, e)
-                self._manager.reload()
+        with _quiet_stderr() as noise:
+            for step in reversed(tried):
+                try:
+                    return self.restore(abstract, step)
+                except CheckpointMismatchError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - any read failure: the step is unusable
+                    self._set_aside(step, e)
+                    self._manager.reload()
+                    noise.failed = True
         if tried:
             raise RuntimeError(f"no readable checkpoint in {self.directory}: steps {tried} were "
                                f"all unreadable and have been renamed to <step>.corrupt-*.")
@@ -324,6 +337,47 @@ class Checkpointer:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+class _Noise:
+    failed = False
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """Captures file descriptor 2 (C++ threads write there too); afterwards replays every line
+    except the asyncio tracebacks of reads cut short, and warns once how many were dropped."""
+    sys.stderr.flush()
+    saved, noise = os.dup(2), _Noise()
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield noise
+        finally:
+            if noise.failed:  # let the cut-short reads report now, while stderr is held
+                time.sleep(0.5)
+                gc.collect()
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            lines = tmp.read().decode(errors="replace").splitlines()
+    kept = [ln for ln in lines if not _is_loop_noise(ln)]
+    if kept:
+        print("\n".join(kept), file=sys.stderr)
+    if len(kept) < len(lines):
+        logging.warning("Held back %d lines of tensorstore tracebacks ('Event loop is closed') "
+                        "from the unreadable checkpoint reads.", len(lines) - len(kept))
+
+
+_LOOP_NOISE = re.compile(r"Event loop is closed|_check_closed|call_soon_threadsafe|"
+                         r"Task exception was never retrieved|^future: <Task|NOT_FOUND|"
+                         r"Traceback \(most recent call last\)|^\W*RuntimeError\W*$|^[\s^~:]*$")
+
+
+def _is_loop_noise(line: str) -> bool:
+    """A piece of those tracebacks (several threads interleave them mid-line)."""
+    return line.startswith((" ", "\t")) or bool(_LOOP_NOISE.search(line))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ exactly what an uninterrupted one draws.
 from __future__ import annotations
 
 import collections
+import math
 import time
 from collections.abc import Sequence
 
@@ -17,7 +18,7 @@ import ml_collections
 import numpy as np
 
 from joyagents_jax import batching, grpo, grpo_step, rollout, sft, sharding
-from joyagents_jax import config as config_lib
+from joyagents_jax import config_checks
 from joyagents_jax import rewards as rw
 from joyagents_jax import train_state as ts
 from joyagents_jax.agents import protocol, system
@@ -47,7 +48,7 @@ def load_sources(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
 class Experiment:
     def __init__(self, config: ml_collections.ConfigDict, workdir: str):
-        config_lib.validate(config)
+        config_checks.validate(config)
         self.config, self.workdir = config, workdir
         try:
             self.tokenizer = load_tokenizer(config.tokenizer)
@@ -186,6 +187,7 @@ class Experiment:
         state, m = step_fn(state, self._place_batch(arrays))
         metrics = self._per_agent(m["agents"], "sft")
         metrics["sft/loss"] = float(np.mean([metrics[f"sft/loss/{a}"] for a in self.config.agents]))
+        metrics["sft/skipped"] = float(m["skipped"])
         return state, metrics
 
     def train_tasks(self, step: int) -> list[rollout.Task]:
@@ -223,8 +225,9 @@ class Experiment:
         result = rollout.Rollout(self.system, self.tokenizer, policy, self.rollout_config(),
                                  memory).run(tasks)
         rollout_seconds = time.perf_counter() - start
-        samples = [s for s in result.samples
-                   if len(s.prompt_ids) + len(s.output_ids) <= self.config.max_len]
+        fits = [s for s in result.samples
+                if len(s.prompt_ids) + len(s.output_ids) <= self.config.max_len]
+        samples = [s for s in fits if math.isfinite(s.reward)]  # a bad reward trains nothing
         trained = batching.informative(samples) if self.config.grpo.select == "groups" else samples
         metrics = {f"grpo/{k}": 0.0 for k in ("kept_groups", "mixed_groups", "updated_agents",
                                               "skipped")}
@@ -248,7 +251,8 @@ class Experiment:
             metrics[f"grpo/reward/{agent}"] = float(np.mean(rewards)) if rewards else 0.0
         metrics["grpo/trained_samples"] = len(trained)
         metrics.update(self._rollout_metrics(result, rollout_seconds))
-        metrics["grpo/dropped_too_long"] = len(result.samples) - len(samples)
+        metrics["grpo/dropped_too_long"] = len(result.samples) - len(fits)
+        metrics["grpo/nonfinite_rewards"] = len(fits) - len(samples)
         metrics["grpo/accuracy"] = float(np.mean([r.r_answer for r in result.rewards]))
         metrics["grpo/reward"] = float(np.mean([r.total for r in result.rewards]))
         metrics["time/step_seconds"] = time.perf_counter() - start

@@ -29,18 +29,18 @@ def group_advantages(
 
     `std`: (r - mean) / (std + eps) with the population std (GRPO). `no_std`: r - mean
     (Dr. GRPO). `loo`: r - mean of the *other* members (leave-one-out baseline).
-    Padding samples (invalid, or group id outside [0, num_groups)) and members of singleton
-    groups get 0: they have nothing to be compared with.
+    Padding samples (invalid, or group id outside [0, num_groups)), samples with a non-finite
+    reward (left out of their group's statistics) and members of singleton groups get 0.
     """
     rewards = rewards.astype(jnp.float32)
-    ok = (group_ids >= 0) & (group_ids < num_groups)
+    ok = (group_ids >= 0) & (group_ids < num_groups) & jnp.isfinite(rewards)
     if valid is not None:
         ok &= valid
     ids = jnp.where(ok, group_ids, 0)
-    w = ok.astype(jnp.float32)
+    rewards = jnp.where(ok, rewards, 0.0)  # a non-finite reward must not reach any sum
 
     def per_group_sum(x):  # [N] -> [N]: the sum of x over each sample's group.
-        return jax.ops.segment_sum(x * w, ids, num_groups)[ids]
+        return jax.ops.segment_sum(jnp.where(ok, x, 0.0), ids, num_groups)[ids]
 
     count = per_group_sum(jnp.ones_like(rewards))
     centered = rewards - per_group_sum(rewards) / jnp.maximum(count, 1.0)
@@ -155,6 +155,7 @@ def aggregate(
     w = jnp.ones(per_token.shape[:1], jnp.float32) if weights is None else weights
     w = w.astype(jnp.float32)
     row_sum = jnp.sum(jnp.where(mask > 0, per_token, 0.0) * mask, axis=-1)  # [B]
+    row_sum = jnp.where(w > 0, row_sum, 0.0)  # a dropped row's value never reaches the sum
     row_len = jnp.sum(mask, axis=-1)  # [B]
     if mode == "token_mean":
         return jnp.sum(w * row_sum), jnp.sum(w * row_len)
@@ -265,11 +266,13 @@ def segment_reward_variance(
     """`group_reward_variance` for samples that name their group instead of sitting in a [G, M]
     table (the train step's layout, where a group's members may sit anywhere in the batch).
 
-    Same exact-zero rule: 0 for groups with < 2 samples or no reward spread.
+    Same exact-zero rule: 0 for groups with < 2 samples or no reward spread. Samples with a
+    non-finite reward are left out, so one bad reward cannot poison the batch.
     """
     r = rewards.astype(jnp.float32)
-    ok = (group_ids >= 0) & (group_ids < num_groups)
+    ok = (group_ids >= 0) & (group_ids < num_groups) & jnp.isfinite(r)
     ids = jnp.where(ok, group_ids, 0)
+    r = jnp.where(ok, r, 0.0)
     seg = lambda x: jax.ops.segment_sum(jnp.where(ok, x, 0.0), ids, num_groups)
     n = seg(jnp.ones_like(r))
     mean = seg(r) / jnp.maximum(n, 1.0)

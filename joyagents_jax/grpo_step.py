@@ -118,7 +118,8 @@ def marginal_benefit(batch: GRPOBatch, num_agents: int, cfg: GRPOStepConfig
 def advantages(batch: GRPOBatch, cfg: GRPOStepConfig) -> dict[str, jax.Array]:
     """Group-relative advantage of every sample: {group: [A, B]}."""
     if cfg.advantage == "given":
-        return {n: jnp.where(r.group_ids >= 0, r.rewards, 0.0) for n, r in batch.rollouts.items()}
+        return {n: jnp.where((r.group_ids >= 0) & jnp.isfinite(r.rewards), r.rewards, 0.0)
+                for n, r in batch.rollouts.items()}
     adv = grpo.group_advantages(_flat(batch.rollouts, "rewards"),
                                 _flat(batch.rollouts, "group_ids"),
                                 batch.group_agent.shape[0], mode=cfg.advantage)
@@ -323,9 +324,11 @@ def grpo_step(state: ts.TrainState, batch: GRPOBatch, cfg: GRPOStepConfig
         gap = jnp.abs(batch.rollouts[name].sampler_logp[..., 1:] - logp_old[name])
         agents[name] = {**_reduce_inner(inner[name]), **agents[name],
                         "logprob_gap": jax.vmap(_masked_mean)(gap, targets[name])}
+    new = ts.commit(state, groups, ok)
     metrics = {"kept_groups": jnp.sum(kept), "mixed_groups": jnp.sum(var > 0),
-               "updated_agents": jnp.sum(update), "skipped": ~ok, "agents": agents}
-    return ts.commit(state, groups, ok), metrics
+               "updated_agents": jnp.sum(update), "skipped": new.skipped > state.skipped,
+               "agents": agents}
+    return new, metrics
 
 
 def batch_shardings(batch: GRPOBatch, mesh: Mesh) -> GRPOBatch:

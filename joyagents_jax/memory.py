@@ -139,7 +139,9 @@ def init_tables(cfg: MemoryConfig, d: int, num_agents: int) -> MemoryTable:
 
 
 def thresholds(reward: jax.Array, valid: jax.Array, cfg: MemoryConfig) -> Thresholds:
-    """lo / hi = mu -/+ z sigma of the valid rewards [N]; hi capped at cfg.best_reward."""
+    """lo / hi = mu -/+ z sigma of the valid finite rewards [N]; hi capped at cfg.best_reward."""
+    valid = valid & jnp.isfinite(reward)
+    reward = jnp.where(valid, reward, 0.0)
     w = valid.astype(jnp.float32)
     n = jnp.maximum(w.sum(), 1.0)
     mu = (reward * w).sum() / n
@@ -467,29 +469,35 @@ class MemoryHook:
         unique = {p: i for i, p in enumerate(dict.fromkeys(prompts))}
         keys = (self._embed(group, agent, list(unique)) if n else
                 np.zeros((0, self.models[group].model.hidden_size), np.float32))
+        rewards = np.array([s.memory_reward for _, s in members], np.float32).reshape(n)
         response, length = _right_pad([s.output_ids for _, s in members], n, cfg.response_length)
         request, request_length = _right_pad(
             [self.tokenizer.encode(node.query) for node, _ in members], n, cfg.request_length)
         return Candidates(key=keys[[unique[p] for p in prompts]],
                           response=response, length=length, request=request,
                           request_length=np.minimum(request_length, cfg.request_length),
-                          reward=np.array([s.memory_reward for _, s in members], np.float32),
-                          valid=np.ones(n, bool))
+                          reward=np.nan_to_num(rewards, nan=0.0, posinf=0.0, neginf=0.0),
+                          valid=np.isfinite(rewards))
 
     def agent_tables(self) -> dict[str, MemoryTable]:
         """agent -> its own table (sliced from its group's stack)."""
         return {a: _pick(self.tables[g], i) for a, (g, i) in self.agent_slots.items()}
 
 
+def config_from(m, best_reward: float) -> MemoryConfig:
+    """`MemoryConfig` from a run config's `memory` section (every key but `enabled`)."""
+    return MemoryConfig(capacity=m.capacity, response_length=m.response_len,
+                        request_length=m.request_len, tau_reuse=m.tau_reuse, tau_hint=m.tau_hint,
+                        reuse_min_reward=m.reuse_min_reward, tau_dup=m.tau_dup, z=m.z,
+                        best_reward=best_reward, alpha=m.alpha, beta=m.beta,
+                        decay_steps=m.decay_steps, reuse=m.reuse, hints=m.hints,
+                        embed_batch=m.embed_batch)
+
+
 def from_experiment(exp, state) -> MemoryHook:
     """The hook of a training run: `exp.config.memory` settings, the agent groups' reference
     params of `state` (set them before GRPO), and the run's system, tokenizer and agent slots."""
-    m = exp.config.memory
-    cfg = MemoryConfig(capacity=m.capacity, response_length=m.response_len,
-                       request_length=m.request_len, tau_reuse=m.tau_reuse, tau_hint=m.tau_hint,
-                       reuse_min_reward=m.reuse_min_reward, tau_dup=m.tau_dup, z=m.z,
-                       best_reward=exp.rollout_config().rewards.best_memory_reward,
-                       decay_steps=m.decay_steps, hints=getattr(m, "hints", True))
+    cfg = config_from(exp.config.memory, exp.rollout_config().rewards.best_memory_reward)
     return MemoryHook(exp.system, exp.tokenizer, group_models(state), exp.slots, cfg)
 
 
@@ -499,9 +507,11 @@ def group_models(state) -> dict[str, GroupModel]:
 
 
 def _hit_records(hits: Sequence[tuple[int, float]]) -> HitRecords:
+    """A non-finite reward is no evidence against an entry: that hit is left out."""
+    reward = np.array([r for _, r in hits], np.float32).reshape(-1)
     return HitRecords(slot=np.array([s for s, _ in hits], np.int32).reshape(-1),
-                      reward=np.array([r for _, r in hits], np.float32).reshape(-1),
-                      valid=np.ones(len(hits), bool))
+                      reward=np.nan_to_num(reward, nan=0.0, posinf=0.0, neginf=0.0),
+                      valid=np.isfinite(reward))
 
 
 def _stack(items: Sequence[Any]) -> Any:

@@ -72,7 +72,8 @@ def sft_step(state: ts.TrainState, batch: Mapping[str, SFTBatch], shared: bool =
         groups[name] = ts.apply_gradients(group, grads, update)
         ok &= jnp.all(jnp.isfinite(loss) & jnp.isfinite(norms))
         agents[name] = {**metrics, "grad_norm": norms}
-    return ts.commit(state, groups, ok), {"skipped": ~ok, "agents": agents}
+    new = ts.commit(state, groups, ok)
+    return new, {"skipped": new.skipped > state.skipped, "agents": agents}
 
 
 def make_sft_step(*, shared: bool = False, in_shardings=None, out_shardings=None):

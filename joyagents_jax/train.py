@@ -16,13 +16,15 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 import time
 
 import jax
 import ml_collections
 
-from joyagents_jax import checkpoint, experiment, metrics, plots
+from joyagents_jax import checkpoint, config_checks, experiment, metrics, plots
+from joyagents_jax import workdir as workdir_lib
 
 log = logging.getLogger("joyagents")
 BEST = "eval/test/accuracy"  # the checkpoint kept as best, besides the last N
@@ -41,61 +43,115 @@ def make_memory(exp: experiment.Experiment, state):
     return memory_lib.from_experiment(exp, state)
 
 
+class TrainingStopped(RuntimeError):
+    """Updates kept failing (non-finite); the last checkpoint holds the last finite state."""
+
+
 def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
-    """Runs (or resumes) the whole pipeline; returns the last evaluation's metrics."""
-    os.makedirs(workdir, exist_ok=True)
+    """Runs (or resumes) the whole pipeline; returns the final evaluation's metrics.
+
+    The config and the workdir are checked before anything is built or written; a workdir whose
+    run already reached its last step is left as it is.
+    """
+    config_checks.validate(config)
+    workdir_lib.check(config, workdir)
+    final = workdir_lib.finished(config, workdir)
+    if final is not None:
+        report(final, workdir, already=True)
+        return final
     primary = jax.process_index() == 0
     exp = experiment.Experiment(config, workdir)
     sft_steps, total = config.sft.steps, config.sft.steps + config.grpo.steps
-    if primary:
-        with open(os.path.join(workdir, "config.json"), "w") as f:
-            f.write(config.to_json_best_effort(indent=2))
 
     fresh = exp.init_state()
     with checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep,
                                  best_metric=BEST) as ckpt, \
-            metrics.MetricsWriter(workdir, enabled=primary) as writer, \
             checkpoint.PreemptionGuard() as guard:
         state, memory, step, phase = restore(exp, ckpt, fresh)
-        writer.truncate_after(step)
-        progress = metrics.Progress(total, "train", initial=step, enabled=primary)
-        last_eval: dict[str, float] = {}
-        while step < total:
-            if phase == "sft" and step >= sft_steps:
-                state, phase = exp.start_grpo(state), "grpo"
-                memory = make_memory(exp, state)
-            if phase == "sft":
-                state, m = exp.sft_step(state, step)
-                postfix = {"loss": m["sft/loss"]}
-            else:
-                state, m, result = exp.grpo_step(state, step - sft_steps, memory)
-                if memory is not None:
-                    memory_start = time.perf_counter()
-                    m.update({f"memory/{k}": v
-                              for k, v in memory.update_from_rollout(result, step).items()})
-                    m["time/memory_update_seconds"] = time.perf_counter() - memory_start
-                postfix = {"reward": m["grpo/reward"], "acc": m["grpo/accuracy"],
-                           "tok/s": m["rollout/tokens_per_second"]}
-            step += 1
-            boundary = step in (sft_steps, total)
-            if step % config.eval.every == 0 or boundary:
-                last_eval = evaluate_all(exp, state, memory)
-                m.update(last_eval)
-            writer.write(step, m, phase=phase)
-            progress.update(1, phase=phase, **postfix)
-            stop = guard.stop_agreed()
-            if step % config.checkpoint.every == 0 or boundary or stop:
-                meta = {"step": step, "phase": phase, **({BEST: m[BEST]} if BEST in m else {})}
-                ckpt.save(step, _checkpoint_tree(state, memory), meta, force=True)
-            if stop:
-                log.warning("Preempted at step %d: checkpoint saved, exiting.", step)
-                break
-        progress.close()
-    if primary and step >= total:
+        if primary:  # only now: a rejected resume leaves the saved config as it was
+            workdir_lib.write_config(config, workdir)
+        with metrics.MetricsWriter(workdir, enabled=primary) as writer:
+            writer.truncate_after(step)
+            state, memory, step, last_eval = _loop(exp, ckpt, guard, writer,
+                                                   (state, memory, step, phase))
+    if step < total:  # preempted: the checkpoint is saved, a rerun resumes
+        return last_eval
+    if not last_eval:  # resumed at the last step (a stop between its save and the report)
+        last_eval = evaluate_all(exp, state, memory)
+    if primary:
         plots.plot_workdir(workdir)
-        with open(os.path.join(workdir, "final_eval.json"), "w") as f:
+        tmp = os.path.join(workdir, workdir_lib.FINAL_EVAL + ".tmp")
+        with open(tmp, "w") as f:
             json.dump(last_eval, f, indent=2)
+        os.replace(tmp, os.path.join(workdir, workdir_lib.FINAL_EVAL))
+        report(last_eval, workdir)
     return last_eval
+
+
+def _loop(exp, ckpt, guard, writer, start):
+    """The steps from `start` = (state, memory, step, phase) to the end or a preemption."""
+    config = exp.config
+    state, memory, step, phase = start
+    sft_steps, total = config.sft.steps, config.sft.steps + config.grpo.steps
+    progress = metrics.Progress(total, "train", initial=step, enabled=writer.enabled)
+    last_eval: dict[str, float] = {}
+    skipped_in_a_row = 0
+    while step < total:
+        if phase == "sft" and step >= sft_steps:
+            state, phase = exp.start_grpo(state), "grpo"
+            memory = make_memory(exp, state)
+        if phase == "sft":
+            state, m = exp.sft_step(state, step)
+            postfix = {"loss": m["sft/loss"]}
+        else:
+            state, m, result = exp.grpo_step(state, step - sft_steps, memory)
+            if memory is not None:
+                memory_start = time.perf_counter()
+                m.update({f"memory/{k}": v
+                          for k, v in memory.update_from_rollout(result, step).items()})
+                m["time/memory_update_seconds"] = time.perf_counter() - memory_start
+            postfix = {"reward": m["grpo/reward"], "acc": m["grpo/accuracy"],
+                       "tok/s": m["rollout/tokens_per_second"]}
+        step += 1
+        boundary = step in (sft_steps, total)
+        if _every(step, config.eval.every) or boundary:
+            last_eval = evaluate_all(exp, state, memory)
+            m.update(last_eval)
+        writer.write(step, m, phase=phase)
+        progress.update(1, phase=phase, **postfix)
+        skipped_in_a_row = skipped_in_a_row + 1 if m.get(f"{phase}/skipped") else 0
+        if skipped_in_a_row >= config.max_skipped_steps:
+            progress.close()
+            raise TrainingStopped(
+                f"steps {step - skipped_in_a_row + 1}-{step} ({phase}) were all skipped: the "
+                f"loss, the gradients or the updated parameters were not finite, so no update "
+                f"was kept. Checkpoints hold only finite states (latest: step "
+                f"{ckpt.latest_step()}). Lower config.{phase}.learning_rate (or raise "
+                f"config.max_skipped_steps), then rerun to resume.")
+        stop = guard.stop_agreed()
+        if _every(step, config.checkpoint.every) or boundary or stop:
+            meta = {"step": step, "phase": phase, **({BEST: m[BEST]} if BEST in m else {})}
+            ckpt.save(step, _checkpoint_tree(state, memory), meta, force=True)
+        if stop:
+            log.warning("Preempted at step %d: checkpoint saved, exiting.", step)
+            break
+    progress.close()
+    return state, memory, step, last_eval
+
+
+def _every(step: int, every: int) -> bool:
+    """True every `every` steps; never when every is 0 (phase ends only)."""
+    return bool(every) and step % every == 0
+
+
+def report(final: dict[str, float], workdir: str, already: bool = False) -> None:
+    """Prints the held-out accuracies of the run's end (stdout: the run's answer)."""
+    head = (f"{workdir} is already complete; nothing was changed." if already
+            else f"Finished: {workdir}")
+    rows = [f"  {k.removeprefix('eval/')}: {v:.3f}" for k, v in sorted(final.items())
+            if k.endswith("/accuracy")]
+    print("\n".join([head, "Held-out accuracy at the end (greedy; with the memory when it is "
+                     "on):", *rows, f"Per domain: {os.path.join(workdir, 'final_eval.json')}"]))
 
 
 def evaluate_all(exp: experiment.Experiment, state, memory) -> dict[str, float]:
@@ -111,7 +167,14 @@ def restore(exp: experiment.Experiment, ckpt: checkpoint.Checkpointer, fresh):
     The checkpoint's phase decides the state's structure (SFT or GRPO optimizer, memory), so
     the abstract tree is built from each candidate checkpoint's own metadata.
     """
-    found = ckpt.restore_latest_valid(lambda meta: abstract_tree(exp, fresh, meta["phase"]))
+    try:
+        found = ckpt.restore_latest_valid(lambda meta: abstract_tree(exp, fresh, meta["phase"]))
+    except checkpoint.CheckpointMismatchError:
+        raise
+    except RuntimeError as e:  # every step unreadable: never restart silently
+        raise workdir_lib.unreadable(exp.workdir) from e
+    if found is None and workdir_lib.corrupt_steps(exp.workdir):  # set aside when opened
+        raise workdir_lib.unreadable(exp.workdir)
     if found is None:
         return fresh, None, 0, "sft"
     tree, meta = found
@@ -134,30 +197,76 @@ def from_tree(exp: experiment.Experiment, tree: dict, phase: str):
     return tree["state"], memory
 
 
-def main(argv: list[str] | None = None) -> int:
-    """absl entry point: --config (a get_config() file, default: the embedded one) --workdir."""
-    from absl import app, flags
+USAGE = """usage: joyagents train [--config FILE[:ARG]] [--config.KEY=VALUE ...] [--workdir DIR]
+
+SFT warm start, then JoyAgents-R1 GRPO, with exact resume. --config is a get_config() file
+(default: the embedded joyagents_jax/config.py); --config.KEY=VALUE overrides one field, e.g.
+--config.grpo.steps=60 --config.memory.enabled=false. --workdir (default workdir/default) holds
+checkpoints, metrics.jsonl, tb/, plots/ and final_eval.json; rerunning it resumes."""
+
+
+def parse_config_flags(prog: str, argv: list[str], usage: str, *, extra=None):
+    """absl flags --config (a config file) and --workdir (plus `extra(flag_values)`): the parsed
+    FlagValues, or an exit status after printing usage (--help: 0) or one line naming the bad
+    argument (2)."""
+    from absl import flags
     from ml_collections import config_flags
 
     from joyagents_jax import config as config_lib
 
-    flags_ = flags.FlagValues()
-    config_flags.DEFINE_config_file("config", config_lib.__file__, "Config file (get_config).",
-                                    flag_values=flags_, lock_config=False)
-    flags.DEFINE_string("workdir", "workdir/default", "Where checkpoints, logs, plots go.",
-                        flag_values=flags_)
-    argv = ["joyagents train"] + list(sys.argv[1:] if argv is None else argv)
-    try:
-        flags_(argv)
-    except flags.Error as e:
-        print(f"joyagents train: {e}", file=sys.stderr)
+    if any(a in ("-h", "--help", "-help") for a in argv):
+        print(usage)
+        return 0
+    values = flags.FlagValues()
+    try:  # config_flags reads the --config.KEY overrides already while defining the flag
+        config_flags.DEFINE_config_file("config", config_lib.__file__,
+                                        "Config file (get_config).", flag_values=values,
+                                        lock_config=False)
+        flags.DEFINE_string("workdir", "workdir/default", "Where checkpoints, logs, plots go.",
+                            flag_values=values)
+        if extra is not None:
+            extra(values)
+        values([prog] + list(argv))
+        values.config.keys()  # loads the file and applies the overrides now
+    except Exception as e:  # noqa: BLE001 - a bad file, arg or key: one line, no traceback
+        print(f"{prog}: {_flag_problem(argv, e)}", file=sys.stderr)
         return 2
+    return values
+
+
+def _flag_problem(argv: list[str], error: Exception) -> str:
+    """One line for a failed --config: the argument it came from and the error's own words."""
+    lines = [ln.strip() for ln in str(error).replace("\\n", "\n").splitlines() if ln.strip()]
+    raised = [ln for ln in lines if re.match(r"^[A-Za-z_.]*(Error|Exception): ", ln)]
+    text = " ".join((raised[-1].split(": ", 1)[1] if raised else " ".join(lines)).split())
+    if "Failed loading config file" in text:
+        errno = [ln for ln in lines if ln.startswith("[Errno")]
+        path = next((a for a in argv if a.startswith("--config=")), "--config")
+        return f"{path}: cannot load the config file ({errno[-1] if errno else text})."
+    if isinstance(error, (AttributeError, KeyError)):
+        key = re.search(r"\w+", text).group()
+        bad = [a for a in argv if a.startswith("--config.") and key in a.split("=")[0]]
+        hint = text[text.index("Did you mean"):].rstrip("'\"") if "Did you mean" in text else ""
+        return (f"{bad[0] if bad else 'a --config.KEY override'}: unknown config key {key!r}. "
+                f"{hint}").strip()
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: --config (a get_config() file, default: the embedded one) --workdir."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    flags_ = parse_config_flags("joyagents train", argv, USAGE)
+    if isinstance(flags_, int):
+        return flags_
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     try:
         train(flags_.config, flags_.workdir)
-    except ValueError as e:  # bad config or input: a clear message, no traceback
+    except ValueError as e:  # bad config, workdir or input: a clear message, no traceback
         print(f"joyagents train: {e}", file=sys.stderr)
         return 2
+    except TrainingStopped as e:
+        print(f"joyagents train: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

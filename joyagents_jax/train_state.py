@@ -241,9 +241,19 @@ def apply_gradients(group: AgentGroup, grads: Params, update: jax.Array) -> Agen
                          opt_state=where_agents(update, opt_state, group.opt_state))
 
 
+def all_finite(tree: Any) -> jax.Array:
+    """[] bool: every float leaf of `tree` is finite (integer leaves, e.g. counts, pass)."""
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+              if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
+
+
 def commit(state: TrainState, groups: Mapping[str, AgentGroup], ok: jax.Array) -> TrainState:
-    """The state after a step: the new groups if `ok` (a [] bool), else the old state with
-    `skipped` + 1. Params and optimizer states are selected, so a skip is bitwise a no-op."""
+    """The state after a step: the new groups if `ok` (a [] bool) and their params and
+    optimizer states are finite, else the old state with `skipped` + 1. Params and optimizer
+    states are selected, so a skip is bitwise a no-op and nothing non-finite is ever kept
+    (a finite loss and gradient can still give a non-finite update, e.g. an overflowing step)."""
+    ok &= all_finite([(g.params, g.opt_state) for g in groups.values()])
     pick = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
     kept = {name: old.replace(params=pick(groups[name].params, old.params),
                               opt_state=pick(groups[name].opt_state, old.opt_state))

@@ -100,6 +100,22 @@ def test_keeps_last_n_and_the_best(tmp_path):
         assert ckpt.all_steps() == [7, 8]
 
 
+def test_a_missing_manifest_falls_back_with_one_warning_not_tracebacks(tmp_path, capfd):
+    tree = {f"w{i}": jnp.full((64, 8), i, jnp.float32) for i in range(40)}
+    with checkpoint.Checkpointer(tmp_path, async_save=False) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, jax.tree.map(lambda x: x + step, tree), {"step": step})
+    (tmp_path / "2" / "state" / "manifest.ocdbt").unlink()
+    capfd.readouterr()
+    with checkpoint.Checkpointer(tmp_path) as ckpt:
+        state, meta = ckpt.restore_latest_valid(tree)
+    err = capfd.readouterr().err
+    assert meta == {"step": 1}
+    np.testing.assert_array_equal(state["w3"], np.full((64, 8), 4.0))
+    assert "Event loop is closed" not in err and "Traceback" not in err
+    assert len(err.splitlines()) <= 3, err
+
+
 @pytest.mark.parametrize("only_arrays", [True, False], ids=["arrays", "all_files"])
 def test_corrupted_latest_falls_back_with_a_warning(tmp_path, caplog, only_arrays):
     with checkpoint.Checkpointer(tmp_path, async_save=False) as ckpt:

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from joyagents_jax import config as config_lib
+from joyagents_jax import config_checks
 from joyagents_jax import train
 
 CONFIGS = os.path.join(os.path.dirname(__file__), os.pardir, "experiments", "configs")
@@ -26,7 +26,7 @@ def _load(name: str):
     ("seed=3", "seed", 3)])
 def test_assistant_tiny_args(arg, field, value):
     c = _load("assistant_tiny")(arg)
-    config_lib.validate(c)
+    config_checks.validate(c)
     node = c
     for part in field.split("."):
         node = node[part]
@@ -46,13 +46,13 @@ def test_bad_args_are_named():
 def test_gsm8k_configs_validate(mode, agents, tmp_path):
     c = _load("gsm8k_single_vs_multi")(mode)
     assert tuple(c.agents) == agents and c.dataset == "gsm8k"
-    with pytest.raises(ValueError, match="needs config.gsm8k_dir"):
-        config_lib.validate(c)
+    with pytest.raises(ValueError, match="config.gsm8k_dir is empty"):
+        config_checks.validate(c)
     c.gsm8k_dir = str(tmp_path)
-    config_lib.validate(c)
+    config_checks.validate(c)
     c.agents = ("master", "qa")
     with pytest.raises(ValueError, match="master alone or with the math sub-agent"):
-        config_lib.validate(c)
+        config_checks.validate(c)
 
 
 @pytest.mark.slow

@@ -217,6 +217,39 @@ def test_non_finite_loss_skips_the_whole_step(state, step):
         assert old.tobytes() == new.tobytes()
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_non_finite_reward_in_a_group_that_is_not_kept_changes_nothing(step, bad):
+    """g1 (sub0, rewards [1, 1]) has no spread; one bad reward there must not skip the step."""
+    clean, clean_m = step(_fresh_state(), _batch())
+    batch = _batch()
+    subs = batch.rollouts["subs"]
+    poisoned = subs.replace(rewards=subs.rewards.at[0, 0].set(bad))
+    batch = gs.GRPOBatch({**batch.rollouts, "subs": poisoned}, batch.group_agent)
+
+    state, metrics = step(_fresh_state(), batch)
+
+    assert not bool(metrics["skipped"]) and int(metrics["updated_agents"]) == 2
+    for a, b in zip(jax.tree.leaves(clean.groups), jax.tree.leaves(state.groups), strict=True):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    np.testing.assert_array_equal(metrics["agents"]["subs"]["loss"],
+                                  clean_m["agents"]["subs"]["loss"])
+
+
+def test_a_non_finite_update_is_never_committed(step):
+    """Finite loss and gradients, but a learning rate that overflows float32: skipped."""
+    huge = ts.OptimConfig(learning_rate=1e39, schedule="constant")
+    state = ts.create({"subs": ts.init_group(SUB, huge, _random_params(SUB, 3, 0)),
+                       "master": ts.init_group(MASTER, huge, _random_params(MASTER, 1, 1))},
+                      jax.random.key(2))
+    before = jax.tree.map(np.asarray, state.groups)
+
+    state, metrics = gs.make_grpo_step(gs.GRPOStepConfig(topk=2, inner_steps=1))(state, _batch())
+
+    assert bool(metrics["skipped"]) and (int(state.step), int(state.skipped)) == (0, 1)
+    for old, new in zip(jax.tree.leaves(before), jax.tree.leaves(state.groups), strict=True):
+        assert old.tobytes() == np.asarray(new).tobytes()
+
+
 def test_bad_batches_fail_with_a_clear_message(state):
     trace = lambda state, batch: jax.eval_shape(  # traces the step, compiles nothing
         functools.partial(gs.grpo_step, cfg=STEP_CFG), state, batch)

@@ -101,6 +101,16 @@ def test_thresholds_follow_the_batch_and_cap_hi():
     assert not bool(equal.active)
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_a_non_finite_reward_is_left_out_of_the_thresholds(bad):
+    r = np.array([1.1] + [LOW] * 7, np.float32)
+    clean = memory.thresholds(r, np.ones(8, bool), CFG)
+    poisoned = memory.thresholds(np.append(r, bad).astype(np.float32), np.ones(9, bool), CFG)
+    for a, b in zip(jax.tree.leaves(clean), jax.tree.leaves(poisoned), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert np.isfinite(float(poisoned.mu)) and bool(poisoned.active)
+
+
 def test_insert_into_an_empty_slot():
     table, m = step(memory.init_table(CFG, D), batch([(E[0], 1.1)]), t=3)
     assert m == dict(entries=1, inserts=1, replacements=0, evictions=0, deletions=0)

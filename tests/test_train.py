@@ -145,7 +145,9 @@ def test_cli_train_eval_export_plot(reference_run, tmp_path):
         assert 0 < r["rollout/seconds"] + r["time/update_seconds"] <= r["time/step_seconds"]
         assert r["time/memory_update_seconds"] > 0
     assert all(p.endswith(".png") for p in os.listdir(os.path.join(reference_run, "plots")))
-    assert json.load(open(os.path.join(reference_run, "final_eval.json")))["eval/test/accuracy"] >= 0
+    final = json.load(open(os.path.join(reference_run, "final_eval.json")))
+    assert final == {k: v for k, v in rows[-1].items() if k.startswith("eval/")}
+    assert {"eval/test/accuracy", "eval/test_novel/accuracy"} <= set(final)
 
     from joyagents_jax import cli
     assert cli.main(["eval", "--workdir", reference_run, "--examples", "2"]) == 0
@@ -167,19 +169,68 @@ def test_cli_train_eval_export_plot(reference_run, tmp_path):
     assert cli.main(["plot", "--workdir", reference_run]) == 0
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ({"agents": ("master", "qa", "chef")}, "unknown agent"),
-    ({"grpo.topk": -1}, "config.grpo.topk must be >= 1"),
-    ({"grpo.group_size": 1}, "config.grpo.group_size must be >= 2"),
-    ({"grpo.mode": "beam"}, "config.grpo.mode must be"),
-    ({"grpo.micro_batch": 12}, "config.grpo.micro_batch must be a power of two"),
-    ({"groups.all.checkpoint": "/nonexistent/qwen"}, "not found"),
-    ({"groups.all.model": "qwen9"}, "Unknown model preset 'qwen9'"),
-    ({"tokenizer": "/nonexistent/tok"}, "tokenizer"),
-])
-def test_bad_config_fails_at_start_naming_the_field(overrides, message, tmp_path, data_dir):
-    with pytest.raises(ValueError, match=message):
-        train.train(_config(data_dir=data_dir, **overrides), str(tmp_path / "bad"))
+def test_a_bad_config_fails_before_the_workdir_is_touched(tmp_path, data_dir):
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=r"2 config problem\(s\):\n  - config.grpo.kl='k9'"):
+        train.train(_config(data_dir=data_dir, **{"grpo.kl": "k9", "eval.every": -1}),
+                    str(tmp_path / "bad"))
+    assert not (tmp_path / "bad").exists()
+    assert time.perf_counter() - start < 60  # no suite, no model: seconds, not a phase
+
+
+def test_rerunning_a_finished_run_changes_nothing(reference_run, capsys):
+    def snapshot():
+        return {os.path.relpath(os.path.join(root, f), reference_run):
+                open(os.path.join(root, f), "rb").read()
+                for root, _, files in os.walk(reference_run) for f in files
+                if not f.startswith("eval_")}
+    before = snapshot()
+    final = train.train(_config(), reference_run)
+    assert snapshot() == before
+    assert final == json.load(open(os.path.join(reference_run, "final_eval.json")))
+    out = capsys.readouterr().out
+    assert "already complete; nothing was changed" in out and "test/accuracy: " in out
+
+
+def test_an_overflowing_update_stops_the_run_and_saves_no_non_finite_value(tmp_path, data_dir):
+    workdir = str(tmp_path / "diverged")
+    c = _config(data_dir=data_dir, **{"sft.learning_rate": 1e39, "sft.steps": 6,
+                                      "max_skipped_steps": 3})
+    with pytest.raises(train.TrainingStopped, match=r"steps 1-3 \(sft\) were all skipped"):
+        train.train(c, workdir)
+    ckpts = os.path.join(workdir, "checkpoints")
+    steps = sorted(int(d) for d in os.listdir(ckpts) if d.isdigit())
+    assert steps == [1, 2]
+    for step in steps:
+        _, state, _, _ = evaluate.load_run(workdir, step)
+        for leaf in jax.tree.leaves(state.groups):
+            assert np.all(np.isfinite(np.asarray(leaf))), step
+        assert int(state.skipped) == step and int(state.step) == 0
+
+
+def test_every_zero_evaluates_and_saves_at_phase_ends_only(tmp_path, data_dir):
+    workdir = str(tmp_path / "ends")
+    train.train(_config(data_dir=data_dir, **{"eval.every": 0, "checkpoint.every": 0}), workdir)
+    rows = metrics.read_metrics(workdir)
+    assert [r["step"] for r in rows if "eval/test/accuracy" in r] == [3, 6]
+    ckpts = os.path.join(workdir, "checkpoints")
+    assert sorted(int(d) for d in os.listdir(ckpts) if d.isdigit()) == [3, 6]
+
+
+def test_a_workdir_without_a_readable_checkpoint_is_refused(reference_run, tmp_path):
+    import shutil
+    workdir = tmp_path / "corrupt"
+    shutil.copytree(reference_run, workdir)
+    (workdir / "final_eval.json").unlink()
+    for step in (p for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()):
+        for f in step.rglob("*"):
+            if f.is_file():
+                f.write_bytes(b"garbage")
+    for _ in range(2):  # the second run finds only set-aside steps: refused again, at once
+        with pytest.raises(ValueError, match="no readable checkpoint.*--config.restart=true"):
+            train.train(_config(), str(workdir))
+    assert not any(p.name.isdigit() for p in (workdir / "checkpoints").iterdir())
+    assert len(metrics.read_metrics(workdir)) == 6  # the old run's log is still there
 
 
 def test_vocab_mismatch_is_named(tmp_path, data_dir):

@@ -1,0 +1,292 @@
+"""One validation pass over a whole run config, before anything is built or written.
+
+`problems(config)` returns one line per mistake, each naming the key, the value and the fix;
+`validate(config)` raises `ConfigError` with all of them. It checks the keys against the
+embedded default (an unknown key is a typo, not a silent no-op), every enumerated field against
+its choices, every number against its range, and the rules that join fields (agents and the
+suite's domains, memory thresholds, batch divisibility on the mesh). It reads no data and loads
+no weights: a bad config fails in seconds, before the suite is built.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import ml_collections
+
+from joyagents_jax import config as config_lib
+from joyagents_jax import sharding
+from joyagents_jax.agents import protocol
+
+DTYPES = ("float32", "bfloat16", "float16")
+MODES = ("nodewise", "trajectory", "full_tree")
+SELECTS = ("groups", "agents")
+KLS = ("k1", "k2", "k3")
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+ADVANTAGES = ("std", "no_std", "loo")
+GSM8K_SPLITS = ("train", "test", "train_socratic", "test_socratic")
+GROUP_KEYS = {"agents", "model", "checkpoint"}
+# The assistant suite's domains route to all of these (cooperation chains qa/efc with math/gfc).
+SUITE_SUB_AGENTS = config_lib.SUB_AGENTS
+
+
+class ConfigError(ValueError):
+    """The config has mistakes; the message lists each, one per line."""
+
+
+def validate(c: ml_collections.ConfigDict) -> None:
+    found = problems(c)
+    if found:
+        lines = "\n".join(f"  - {p}" for p in found)
+        raise ConfigError(f"{len(found)} config problem(s):\n{lines}")
+
+
+def problems(c: ml_collections.ConfigDict) -> list[str]:
+    """Every mistake in `c`, one line each (empty when the config is valid)."""
+    out = list(_unknown_keys(c, config_lib.get_config()))
+    if out:  # later checks read the keys by name
+        return out
+    for check in (_top_level, _agents_and_groups, _sft, _grpo, _memory, _eval_and_checkpoint,
+                  _mesh):
+        out.extend(check(c))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers: each yields a problem line or nothing.
+# ----------------------------------------------------------------------------------------------
+
+
+def _keys(c: ml_collections.ConfigDict, prefix: str = "") -> Iterator[str]:
+    for k, v in c.items():
+        path = f"{prefix}{k}"
+        if isinstance(v, ml_collections.ConfigDict) and path != "groups":
+            yield from _keys(v, f"{path}.")
+        else:
+            yield path
+
+
+def _unknown_keys(c, default) -> Iterator[str]:
+    known = set(_keys(default))
+    for key in sorted(set(_keys(c)) - known):
+        parent = key.rpartition(".")[0]
+        siblings = sorted(k.rpartition(".")[2] for k in known if k.rpartition(".")[0] == parent)
+        yield (f"config.{key}: unknown key (a typo?); the keys of "
+               f"{'config.' + parent if parent else 'config'} are {', '.join(siblings)}.")
+    for key in sorted(known - set(_keys(c))):
+        yield f"config.{key}: missing; a config file must start from joyagents_jax.config.get_config()."
+    if "groups" in c:
+        for name, spec in c.groups.items():
+            keys = set(spec.keys()) if isinstance(spec, ml_collections.ConfigDict) else set()
+            if keys != GROUP_KEYS:
+                yield (f"config.groups.{name}: has keys {sorted(keys)}; every group needs exactly "
+                       f"agents, model and checkpoint.")
+
+
+def _choice(c, key: str, choices) -> Iterator[str]:
+    value = _get(c, key)
+    if value not in choices:
+        yield f"config.{key}={value!r}: not one of {', '.join(map(str, choices))}."
+
+
+def _number(c, key: str, *, low: float | None = None, high: float | None = None,
+            low_open: bool = False, high_open: bool = False, integer: bool = False,
+            why: str = "") -> Iterator[str]:
+    """A finite number in [low, high] (open ends with *_open); integers where asked."""
+    value, why = _get(c, key), f" ({why})" if why else ""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        yield f"config.{key}={value!r}: must be a number{why}."
+        return
+    if integer and not float(value).is_integer():
+        yield f"config.{key}={value!r}: must be a whole number{why}."
+        return
+    if not math.isfinite(value):
+        yield f"config.{key}={value!r}: must be finite{why}."
+        return
+    below = low is not None and (value <= low if low_open else value < low)
+    above = high is not None and (value >= high if high_open else value > high)
+    if below or above:
+        lo = "" if low is None else f"{'>' if low_open else '>='} {low}"
+        hi = "" if high is None else f"{'<' if high_open else '<='} {high}"
+        yield f"config.{key}={value!r}: must be {' and '.join(filter(None, (lo, hi)))}{why}."
+
+
+def _flag(c, key: str) -> Iterator[str]:
+    if not isinstance(_get(c, key), bool):
+        yield f"config.{key}={_get(c, key)!r}: must be True or False."
+
+
+def _get(c, key: str) -> Any:
+    for part in key.split("."):
+        c = c[part]
+    return c
+
+
+def _all(*checks: Iterator[str]) -> Iterator[str]:
+    for check in checks:
+        yield from check
+
+
+# ----------------------------------------------------------------------------------------------
+# Sections.
+# ----------------------------------------------------------------------------------------------
+
+
+def _top_level(c) -> Iterator[str]:
+    from joyagents_jax.data import assistant_suite
+
+    yield from _all(_number(c, "seed", low=0, integer=True),
+                    _choice(c, "dataset", ("assistant_suite", "gsm8k")),
+                    _choice(c, "param_dtype", DTYPES), _choice(c, "dtype", DTYPES),
+                    _flag(c, "remat"), _flag(c, "pad_to_max_len"), _flag(c, "restart"),
+                    _number(c, "max_len", low=2, integer=True),
+                    _number(c, "max_skipped_steps", low=1, integer=True,
+                            why="consecutive non-finite steps before the run stops"),
+                    _number(c, "sampler.min_prompt_bucket", low=1, integer=True),
+                    _number(c, "sampler.min_batch_bucket", low=1, integer=True),
+                    _number(c, "limits.max_nodes", low=1, integer=True),
+                    _number(c, "limits.max_tokens_per_node", low=1, integer=True),
+                    _number(c, "limits.max_observation_chars", low=1, integer=True))
+    if c.dataset == "assistant_suite":
+        yield from _choice(c, "suite", tuple(assistant_suite.CONFIGS))
+    if c.dataset == "gsm8k" and not c.gsm8k_dir:
+        yield ("config.gsm8k_dir is empty: config.dataset=gsm8k needs a folder with train.jsonl "
+               "and test.jsonl from github.com/openai/grade-school-math.")
+    if c.tokenizer != "bytes" and not os.path.isdir(c.tokenizer):
+        yield (f"config.tokenizer={c.tokenizer!r}: not a folder; use 'bytes' or a folder with an "
+               f"HF tokenizer (e.g. the Qwen2.5 checkpoint).")
+
+
+def _agents_and_groups(c) -> Iterator[str]:
+    from joyagents_jax.models import presets
+
+    agents = list(c.agents)
+    if protocol.MASTER not in agents:
+        yield f"config.agents={agents}: must include {protocol.MASTER!r} (the router)."
+    if len(set(agents)) != len(agents):
+        yield f"config.agents={agents}: lists an agent twice."
+    unknown = [a for a in agents if a not in (protocol.MASTER, *SUITE_SUB_AGENTS)]
+    if unknown:
+        yield (f"config.agents: unknown agent(s) {unknown}; the sub-agents are "
+               f"{', '.join(SUITE_SUB_AGENTS)}.")
+    subs = set(agents) - {protocol.MASTER}
+    if c.dataset == "assistant_suite" and not unknown and subs != set(SUITE_SUB_AGENTS):
+        missing = sorted(set(SUITE_SUB_AGENTS) - subs)
+        yield (f"config.agents={agents}: the assistant suite's domains (math, qa, efc, gfc, "
+               f"cooperation) route to every sub-agent, and {missing} are missing; use all of "
+               f"{(protocol.MASTER, *SUITE_SUB_AGENTS)}, or config.dataset=gsm8k for a master "
+               f"with or without math.")
+    if c.dataset == "gsm8k" and subs - {"math"}:
+        yield (f"config.agents={agents}: config.dataset=gsm8k runs the master alone or with the "
+               f"math sub-agent.")
+    grouped = [a for spec in c.groups.values() for a in spec.agents]
+    if sorted(grouped) != sorted(agents):
+        yield (f"config.groups: must place every agent of config.agents exactly once; groups "
+               f"hold {sorted(grouped)}, agents are {sorted(agents)}.")
+    for name, spec in c.groups.items():
+        if spec.checkpoint:
+            if not os.path.isfile(os.path.join(spec.checkpoint, "config.json")):
+                yield (f"config.groups.{name}.checkpoint={spec.checkpoint!r}: no config.json "
+                       f"there; point it at a local HF folder (config.json + *.safetensors).")
+        elif spec.model not in presets.PRESETS:
+            yield (f"config.groups.{name}.model={spec.model!r}: not a preset; choose one of "
+                   f"{', '.join(sorted(presets.PRESETS))}, or set checkpoint to an HF folder.")
+
+
+def _sft(c) -> Iterator[str]:
+    yield from _all(_number(c, "sft.steps", low=0, integer=True),
+                    _number(c, "sft.shared_steps", low=0, integer=True),
+                    _number(c, "sft.batch_per_agent", low=1, integer=True),
+                    _number(c, "sft.learning_rate", low=0, low_open=True),
+                    _number(c, "sft.warmup_steps", low=0, integer=True),
+                    _number(c, "sft.weight_decay", low=0),
+                    _number(c, "sft.clip_norm", low=0, low_open=True))
+
+
+def _grpo(c) -> Iterator[str]:
+    g = c.grpo
+    yield from _all(_number(c, "grpo.steps", low=0, integer=True),
+                    _number(c, "grpo.queries", low=1, integer=True),
+                    _number(c, "grpo.group_size", low=2, integer=True,
+                            why="GRPO compares G samples of one node"),
+                    _choice(c, "grpo.mode", MODES),
+                    _number(c, "grpo.topk", low=0, integer=True, why="0 keeps every node group"),
+                    _choice(c, "grpo.select", SELECTS),
+                    _number(c, "grpo.micro_batch", low=0, integer=True),
+                    _number(c, "grpo.inner_steps", low=1, integer=True),
+                    _number(c, "grpo.beta", low=0, why="the KL weight; 0 turns the KL off"),
+                    _number(c, "grpo.eps_low", low=0, high=1, high_open=True),
+                    _number(c, "grpo.eps_high", low=0),
+                    _choice(c, "grpo.kl", KLS), _choice(c, "grpo.aggregation", AGGREGATIONS),
+                    _choice(c, "grpo.advantage", ADVANTAGES),
+                    _number(c, "grpo.learning_rate", low=0, low_open=True),
+                    _number(c, "grpo.warmup_steps", low=0, integer=True),
+                    _number(c, "grpo.clip_norm", low=0, low_open=True),
+                    _number(c, "grpo.temperature", low=0, low_open=True,
+                            why="rollouts sample; evaluation is greedy anyway"),
+                    _number(c, "grpo.top_p", low=0, high=1, low_open=True),
+                    _number(c, "grpo.top_k", low=0, integer=True, why="0 = no top-k cut"),
+                    _number(c, "grpo.w_format", low=0), _number(c, "grpo.w_efficiency", low=0))
+    mb = g.micro_batch
+    if isinstance(mb, int) and mb > 0 and mb & (mb - 1):
+        yield (f"config.grpo.micro_batch={mb}: must be a power of two (rows per agent in one "
+               f"forward/backward) or 0 (the whole batch).")
+
+
+def _memory(c) -> Iterator[str]:
+    yield from _all(_flag(c, "memory.enabled"), _flag(c, "memory.hints"),
+                    _flag(c, "memory.reuse"),
+                    _number(c, "memory.capacity", low=1, integer=True),
+                    _number(c, "memory.response_len", low=1, integer=True),
+                    _number(c, "memory.request_len", low=1, integer=True),
+                    _number(c, "memory.embed_batch", low=1, integer=True),
+                    *(_number(c, f"memory.{k}", low=-1, high=1, why="a cosine similarity")
+                      for k in ("tau_reuse", "tau_hint", "tau_dup")),
+                    _number(c, "memory.reuse_min_reward"),
+                    _number(c, "memory.z", low=0, low_open=True),
+                    _number(c, "memory.decay_steps", low=0, low_open=True),
+                    _number(c, "memory.alpha", low=0), _number(c, "memory.beta", low=0))
+    m = c.memory
+    if _finite(m.tau_hint) and _finite(m.tau_reuse) and m.tau_hint > m.tau_reuse:
+        yield (f"config.memory.tau_hint={m.tau_hint} > tau_reuse={m.tau_reuse}: a hint is a "
+               f"weaker match than a reuse; set tau_hint <= tau_reuse.")
+
+
+def _eval_and_checkpoint(c) -> Iterator[str]:
+    from joyagents_jax.data import assistant_suite
+
+    yield from _all(_number(c, "eval.every", low=0, integer=True,
+                            why="0 evaluates only at the end of SFT and of GRPO"),
+                    _number(c, "eval.examples", low=0, integer=True, why="0 = the whole split"),
+                    _number(c, "checkpoint.every", low=0, integer=True,
+                            why="0 saves only at phase ends and on preemption"),
+                    _number(c, "checkpoint.keep", low=1, integer=True))
+    splits = GSM8K_SPLITS if c.dataset == "gsm8k" else assistant_suite.SPLITS
+    bad = [s for s in c.eval.splits if s not in splits]
+    if bad or not c.eval.splits:
+        yield (f"config.eval.splits={list(c.eval.splits)}: each must be one of "
+               f"{', '.join(splits)} (and at least one).")
+
+
+def _mesh(c) -> Iterator[str]:
+    if not c.mesh:
+        return
+    import jax
+
+    try:
+        sizes = sharding.mesh_shape(sharding.parse_mesh(c.mesh), jax.device_count())
+    except sharding.ShardingError as e:
+        yield f"config.mesh={c.mesh!r}: {e}"
+        return
+    rows = sharding.data_parallel_size(sizes)
+    if isinstance(c.sft.batch_per_agent, int) and c.sft.batch_per_agent % rows:
+        yield (f"config.sft.batch_per_agent={c.sft.batch_per_agent}: not divisible by the "
+               f"mesh's data x fsdp size {rows}; use a multiple of {rows}.")
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+

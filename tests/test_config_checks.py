@@ -1,0 +1,121 @@
+"""One validation pass over the whole config: every mistake named with its key and fix."""
+
+import math
+
+import ml_collections
+import pytest
+
+from joyagents_jax import config as config_lib
+from joyagents_jax import config_checks, memory
+
+
+def _with(**overrides) -> ml_collections.ConfigDict:
+    c = config_lib.get_config()
+    for key, value in overrides.items():
+        node, (*path, last) = c, key.split("__")
+        for part in path:
+            node = node[part]
+        node[last] = value
+    return c
+
+
+def test_the_default_and_real_checkpoint_configs_are_valid(tmp_path):
+    assert config_checks.problems(config_lib.get_config()) == []
+    (tmp_path / "config.json").write_text("{}")
+    real = config_lib.real_checkpoint_config({"all": (config_lib.get_config().agents,
+                                                      str(tmp_path))})
+    real.tokenizer = str(tmp_path)
+    assert config_checks.problems(real) == []
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    ({"grpo__kl": "k9"}, "config.grpo.kl='k9': not one of k1, k2, k3"),
+    ({"grpo__aggregation": "bogus"}, "config.grpo.aggregation='bogus': not one of token_mean"),
+    ({"grpo__advantage": "bogus"}, "config.grpo.advantage='bogus': not one of std"),
+    ({"sft__learning_rate": math.nan}, "config.sft.learning_rate=nan: must be finite"),
+    ({"grpo__learning_rate": -1e-5}, "config.grpo.learning_rate=-1e-05: must be > 0"),
+    ({"grpo__beta": -1.0}, "config.grpo.beta=-1.0: must be >= 0"),
+    ({"grpo__eps_low": 2.0}, "config.grpo.eps_low=2.0: must be >= 0 and < 1"),
+    ({"grpo__temperature": 0.0}, "config.grpo.temperature=0.0: must be > 0"),
+    ({"grpo__top_p": 1.5}, "config.grpo.top_p=1.5: must be > 0 and <= 1"),
+    ({"memory__capacity": 0}, "config.memory.capacity=0: must be >= 1"),
+    ({"memory__tau_hint": 1.0}, "config.memory.tau_hint=1.0 > tau_reuse=0.99995"),
+    ({"eval__every": -1}, "config.eval.every=-1: must be >= 0"),
+    ({"checkpoint__every": -2}, "config.checkpoint.every=-2: must be >= 0"),
+    ({"checkpoint__keep": 0}, "config.checkpoint.keep=0: must be >= 1"),
+    ({"grpo__topk": -1}, "config.grpo.topk=-1: must be >= 0"),
+    ({"grpo__group_size": 1}, "config.grpo.group_size=1: must be >= 2"),
+    ({"grpo__mode": "beam"}, "config.grpo.mode='beam': not one of nodewise"),
+    ({"grpo__micro_batch": 12}, "config.grpo.micro_batch=12: must be a power of two"),
+    ({"groups__all__model": "qwen9"}, "config.groups.all.model='qwen9': not a preset"),
+    ({"groups__all__checkpoint": "/nonexistent/qwen"}, "no config.json there"),
+    ({"tokenizer": "/nonexistent/tok"}, "config.tokenizer='/nonexistent/tok': not a folder"),
+    ({"suite": "huge"}, "config.suite='huge': not one of"),
+    ({"eval__splits": ("test", "dev")}, "config.eval.splits=['test', 'dev']"),
+    ({"mesh": "data=3,fsdp=5"}, "config.mesh='data=3,fsdp=5'"),
+    ({"mesh": "rows=2"}, "Unknown mesh axes ['rows']"),
+    ({"agents": ("master", "qa", "chef"), "groups__all__agents": ("master", "qa", "chef")},
+     "unknown agent(s) ['chef']"),
+    ({"agents": ("master", "math"), "groups__all__agents": ("master", "math")},
+     "['efc', 'gfc', 'qa'] are missing"),
+    ({"agents": ("master", "qa", "efc", "gfc", "math", "math"),
+      "groups__all__agents": ("master", "qa", "efc", "gfc", "math", "math")},
+     "lists an agent twice"),
+    ({"agents": ("qa", "efc", "gfc", "math"), "groups__all__agents": ("qa", "efc", "gfc", "math")},
+     "must include 'master'"),
+    ({"groups__all__agents": ("master", "qa")}, "must place every agent"),
+])
+def test_each_mistake_is_one_line_naming_the_key(overrides, fragment):
+    found = config_checks.problems(_with(**overrides))
+    assert len(found) == 1, found
+    assert fragment in found[0]
+    with pytest.raises(config_checks.ConfigError, match="1 config problem"):
+        config_checks.validate(_with(**overrides))
+
+
+def test_every_mistake_is_reported_at_once():
+    c = _with(grpo__kl="k9", sft__learning_rate=math.nan, eval__every=-1, memory__capacity=0)
+    message = str(pytest.raises(config_checks.ConfigError, config_checks.validate, c).value)
+    assert message.startswith("4 config problem(s):")
+    for key in ("grpo.kl", "sft.learning_rate", "eval.every", "memory.capacity"):
+        assert f"config.{key}=" in message
+
+
+def test_unknown_and_missing_keys_are_named():
+    c = config_lib.get_config()
+    c.grpo.topkk = 3
+    found = config_checks.problems(c)
+    assert found == [f"config.grpo.topkk: unknown key (a typo?); the keys of config.grpo are "
+                     f"{', '.join(sorted(config_lib.get_config().grpo.keys()))}."]
+    c = config_lib.get_config()
+    del c.memory["alpha"]
+    assert config_checks.problems(c)[0].startswith("config.memory.alpha: missing")
+    c = config_lib.get_config()
+    c.groups.all.size = "big"
+    assert "config.groups.all: has keys" in config_checks.problems(c)[0]
+
+
+def test_zero_means_phase_ends_only_and_is_valid():
+    assert config_checks.problems(_with(eval__every=0, checkpoint__every=0, grpo__topk=0)) == []
+
+
+def test_batch_must_split_over_the_mesh(monkeypatch):
+    monkeypatch.setattr("jax.device_count", lambda: 8)
+    found = config_checks.problems(_with(mesh="data=2,fsdp=4", sft__batch_per_agent=4))
+    assert found == ["config.sft.batch_per_agent=4: not divisible by the mesh's data x fsdp "
+                     "size 8; use a multiple of 8."]
+
+
+def test_every_memory_field_reaches_the_memory_config():
+    c = config_lib.get_config()
+    values = {"capacity": 7, "response_len": 5, "request_len": 6, "tau_reuse": 0.91,
+              "tau_hint": 0.9, "hints": True, "reuse": False, "reuse_min_reward": 0.5,
+              "tau_dup": 0.93, "z": 1.5, "decay_steps": 9.0, "alpha": 0.3, "beta": 0.7,
+              "embed_batch": 3}
+    assert set(values) == set(c.memory) - {"enabled"}, "a memory key is not covered"
+    c.memory.update(values)
+    cfg = memory.config_from(c.memory, best_reward=1.1)
+    fields = {"response_len": "response_length", "request_len": "request_length"}
+    for key, value in values.items():
+        assert getattr(cfg, fields.get(key, key)) == value, key
+    assert cfg.best_reward == 1.1
