@@ -288,7 +288,8 @@ class Experiment:
         policy = self.policy({g: grp.params for g, grp in state.groups.items()},
                              jax.random.key(0), greedy=True)
         start = time.perf_counter()
-        if memory is not None:
+        if memory is not None:  # read-only: evaluating never changes the run's memory
+            memory = memory.frozen()
             memory.set_state(state)
         engine = rollout.Rollout(self.system, self.tokenizer, policy, self.rollout_config(), memory)
         result = engine.episodes([task_of(e) for e in exs])

@@ -21,6 +21,7 @@ N candidates, M hit records, B queries, T prompt tokens.
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 import functools
 import json
@@ -345,6 +346,14 @@ class MemoryHook:
                                       jax.tree.leaves(m.ref_params)[0].shape[0])
                        for g, m in models.items()}
         self.stats = collections.Counter()  # lookups, reuses, hints since the last update
+        self.record = True  # lookups count hits in the tables and stats (False: a read-only view)
+
+    def frozen(self) -> MemoryHook:
+        """A read-only view for evaluation: the same tables and thresholds, but lookups record
+        no hits and no stats, so evaluating never changes the training run's memory."""
+        view = copy.copy(self)
+        view.record, view.stats = False, collections.Counter()
+        return view
 
     def set_state(self, state) -> None:
         """Embeds with `state`'s reference params from now on (a train step donates the old)."""
@@ -366,6 +375,8 @@ class MemoryHook:
                 out[i] = self._decide(float(sim[k]), int(slot[k]), _pick(rows, k))
                 if isinstance(out[i], rollout.Reuse):
                     reused[group][agent].append(int(slot[k]))
+        if not self.record:
+            return out
         for group, slots in reused.items():
             if any(slots):
                 width = _bucket(max(map(len, slots)))

@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import importlib.util
 import math
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -23,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from joyagents_jax import distributed, grpo, grpo_step, sharding
 from joyagents_jax import train_state as ts
-from joyagents_jax.models import presets, qwen2
+from joyagents_jax.models import hf_io, presets, qwen2
 
 # Named systems: groups of (preset, agents). Agents that share an architecture form one
 # stacked group (DESIGN §3): the paper's master + qa/efc/gfc/math sub-agents.
@@ -121,10 +123,17 @@ def kv_cache_shape(cfg: qwen2.Qwen2Config, agents: int, batch: int, length: int)
     return {n: jax.ShapeDtypeStruct(shape, jnp.dtype(cfg.dtype)) for n in ("k", "v")}
 
 
+def model_config(model: str, **dtypes) -> qwen2.Qwen2Config:
+    """A preset name, or an HF folder whose config.json alone gives the shapes (no weights)."""
+    if os.path.isdir(model):
+        return hf_io.config_from_hf(model, **dtypes)
+    return presets.get_preset(model, **dtypes)
+
+
 def make_group(pc: PlanConfig, mesh: jax.sharding.Mesh, preset: str, agents: int) -> Group:
-    """`agents` copies of `preset`: params, per-agent AdamW state, reference, KV cache."""
-    cfg = presets.get_preset(preset, param_dtype=pc.param_dtype, dtype=pc.compute_dtype,
-                             remat=pc.remat)
+    """`agents` copies of `preset` (a preset name or an HF folder): params, per-agent AdamW
+    state, reference, KV cache."""
+    cfg = model_config(preset, param_dtype=pc.param_dtype, dtype=pc.compute_dtype, remat=pc.remat)
     ref_cfg = cfg.replace(param_dtype=pc.ref_dtype)
     params = _stack(qwen2.param_shapes(cfg), agents)
     trees = {
@@ -242,25 +251,48 @@ def parse_groups(text: str) -> tuple[tuple[str, int], ...]:
     return tuple(groups)
 
 
+def from_run_config(spec: str) -> dict[str, Any]:
+    """`FILE.py[:ARG]`, the --config of `joyagents train`: its agent groups (an HF folder's
+    config.json or a preset each), dtypes, remat and mesh, as PlanConfig fields."""
+    path, _, arg = spec.partition(":")
+    module_spec = importlib.util.spec_from_file_location("plan_config", path)
+    if module_spec is None or not os.path.isfile(path):
+        raise ValueError(f"--config {spec}: no such config file.")
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    c = module.get_config(arg) if arg else module.get_config()
+    groups = tuple((g.checkpoint or g.model, len(g.agents)) for g in c.groups.values())
+    for model, _ in groups:
+        if not os.path.isdir(model):
+            presets.get_preset(model)  # a clear error for a folder that is not there
+    return {"groups": groups, "param_dtype": c.param_dtype, "compute_dtype": c.dtype,
+            "remat": c.remat, "mesh": c.mesh or "fsdp=-1"}
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     d = PlanConfig(groups=())
     p = argparse.ArgumentParser(
         prog="joyagents plan",
         description="Per-device memory of a multi-agent system on a mesh, without weights.")
     p.add_argument("--config", default="3b+3b",
-                   help=f"a named system ({', '.join(SYSTEMS)}) or preset:agents,... "
+                   help=f"a train config file (FILE.py[:ARG], as `joyagents train --config`), "
+                        f"a named system ({', '.join(SYSTEMS)}) or preset:agents,... "
                         f"(e.g. qwen2.5-7b:1,qwen2.5-3b:4)")
-    p.add_argument("--mesh", default=d.mesh, help="axis sizes, e.g. data=2,fsdp=-1,tensor=2")
+    p.add_argument("--mesh", default=None,
+                   help=f"axis sizes, e.g. data=2,fsdp=-1,tensor=2 (default: the config "
+                        f"file's, else {d.mesh})")
     p.add_argument("--cpu-devices", type=int, help="simulate N CPU devices (plan a pod locally)")
     p.add_argument("--device-gib", type=float, help="device memory to check the total against")
-    p.add_argument("--param-dtype", default=d.param_dtype)
-    p.add_argument("--compute-dtype", default=d.compute_dtype)
+    p.add_argument("--param-dtype", default=None, help=f"default: the config file's, else "
+                                                           f"{d.param_dtype}")
+    p.add_argument("--compute-dtype", default=None, help=f"default: the config file's, else "
+                                                             f"{d.compute_dtype}")
     p.add_argument("--ref-dtype", default=d.ref_dtype)
     p.add_argument("--train-batch", type=int, default=d.train_batch, help="sequences per agent")
     p.add_argument("--seq-len", type=int, default=d.seq_len)
     p.add_argument("--rollout-batch", type=int, default=d.rollout_batch, help="sequences per agent")
     p.add_argument("--cache-len", type=int, default=d.cache_len)
-    p.add_argument("--no-remat", dest="remat", action="store_false")
+    p.add_argument("--no-remat", dest="remat", action="store_const", const=False, default=None)
     p.add_argument("--on-indivisible", choices=("error", "replicate"), default=d.on_indivisible)
     return p.parse_args(argv)
 
@@ -272,12 +304,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         jax.config.update("jax_num_cpu_devices", args.cpu_devices)
     else:  # on a pod, every host runs plan and the mesh spans all of them
         distributed.initialize()
-    names = {f.name for f in dataclasses.fields(PlanConfig)} - {"groups"}
+    names = {f.name for f in dataclasses.fields(PlanConfig)}
     try:
-        pc = PlanConfig(groups=parse_groups(args.config),
-                        **{k: v for k, v in vars(args).items() if k in names})
-        plan = make_plan(pc)
-    except ValueError as e:  # a bad mesh, batch, preset or dtype: say which and stop
+        fields = (from_run_config(args.config) if args.config.partition(":")[0].endswith(".py")
+                  else {"groups": parse_groups(args.config)})
+        fields.update({k: v for k, v in vars(args).items() if k in names and v is not None})
+        plan = make_plan(PlanConfig(**fields))
+    except ValueError as e:  # a bad file, mesh, batch, preset or dtype: say which and stop
         print(f"joyagents plan: {e}", file=sys.stderr)
         return 2
     capacity = int(args.device_gib * GiB) if args.device_gib else _device_capacity()

@@ -12,6 +12,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from joyagents_jax import config as config_lib
 from joyagents_jax import memory, rollout
 from joyagents_jax.agents import protocol, system
 from joyagents_jax.data import assistant_suite as suite
@@ -276,8 +277,8 @@ def test_from_experiment_maps_the_run_config():
                               num_layers=1, num_heads=2, num_kv_heads=1)
     ref = jax.tree.map(lambda x: jnp.zeros((2, *x.shape), x.dtype), qwen2.param_shapes(model))
     ns = types.SimpleNamespace
-    config = ns(memory=ns(capacity=5, response_len=7, request_len=3, tau_reuse=0.99, tau_hint=0.9,
-                          reuse_min_reward=1.0, tau_dup=0.98, z=1.5, decay_steps=20.0))
+    config = config_lib.get_config()
+    config.memory.update(capacity=5, response_len=7, request_len=3, z=1.5)
     exp = ns(config=config, system=sys_, tokenizer=TOK, slots={"master": ("g", 0), "qa": ("g", 1)},
              rollout_config=lambda: rollout.RolloutConfig())
     hook = memory.from_experiment(exp, ns(groups={"g": ns(model=model, ref_params=ref)}))
@@ -326,6 +327,13 @@ def test_repeated_rewarded_query_is_answered_from_memory():
     assert [n.output for n in episode.nodes] == [n.output for n in first.episodes[0].episode.nodes]
     assert float(second.rewards[0].total) == float(first.rewards[0].total)
     assert float(second.rewards[0].memory_reward) == float(first.rewards[0].memory_reward)
+    before, stats = [np.asarray(x).tobytes() for x in jax.tree.leaves(hook.tables)], hook.stats.copy()
+    view = hook.frozen()  # evaluation's view: reuses the same entries, records nothing
+    third = rollout.Rollout(sys_, TOK, ScriptedPolicy(script), rollout.RolloutConfig("nodewise", 2),
+                            view).episodes([task(good)])
+    assert third.counters.memory_hits >= 1 and view.stats == collections.Counter()
+    assert [np.asarray(x).tobytes() for x in jax.tree.leaves(hook.tables)] == before
+    assert hook.stats == stats
     m = hook.update_from_rollout(second, step=2)
     assert m["llm_calls_saved"] == second.counters.memory_hits and m["hit_rate"] > 0
     assert int(sum(t.hits.sum() for t in hook.tables.values())) == second.counters.memory_hits

@@ -105,3 +105,22 @@ def test_plan_reports_errors_instead_of_crashing(plan_3b):
     assert errors[1] == ("joyagents plan: Train batch 4 is not divisible by the data-parallel "
                          "size 8 (mesh axes data=1 × fsdp=8); use a multiple of 8.")
     assert [line for line in plan_3b.splitlines() if line.startswith("EXIT")] == ["EXIT 2"] * 2
+
+
+def test_a_train_config_file_is_planned_from_its_folders_config_json(tmp_path, capsys):
+    import transformers
+
+    transformers.Qwen2Config(vocab_size=300, hidden_size=32, intermediate_size=64,
+                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                             tie_word_embeddings=True).save_pretrained(tmp_path)  # no weights
+    spec = f"experiments/configs/qwen2p5_3b.py:{tmp_path}"
+    fields = plan.from_run_config(spec)
+    assert fields == {"groups": ((str(tmp_path), 5),), "param_dtype": "bfloat16",
+                      "compute_dtype": "bfloat16", "remat": True, "mesh": "fsdp=-1"}
+    group = plan.make_group(plan.PlanConfig(**fields), sharding.make_mesh(), str(tmp_path), 5)
+    assert (group.cfg.hidden_size, group.cfg.num_layers, group.cfg.vocab_size) == (32, 2, 300)
+    assert plan.main(["--config", spec, "--train-batch", "2", "--seq-len", "16",
+                      "--rollout-batch", "2", "--cache-len", "32"]) == 0
+    assert f"group {tmp_path} x 5 agents" in capsys.readouterr().out
+    assert plan.main(["--config", "experiments/configs/qwen2p5_3b.py:/no/such/folder"]) == 2
+    assert "Unknown model preset '/no/such/folder'" in capsys.readouterr().err
