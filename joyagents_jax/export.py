@@ -15,7 +15,8 @@ import sys
 
 import jax
 
-from joyagents_jax import evaluate, memory as memory_lib
+from joyagents_jax import evaluate, tokenizers
+from joyagents_jax import memory as memory_lib
 from joyagents_jax.models import hf_io
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
@@ -46,11 +47,9 @@ def export(workdir: str, out: str, step: int | None = None, dtype: str | None = 
 
 
 def _tokenizer_files(spec: str, folder: str) -> None:
-    """Copies an HF tokenizer's files; the byte tokenizer is described in a small JSON file."""
+    """Copies an HF tokenizer's files, or writes the byte tokenizer as one transformers loads."""
     if spec == "bytes":
-        with open(os.path.join(folder, "joyagents_tokenizer.json"), "w") as f:
-            json.dump({"type": "bytes", "note": "ids 0-255 are UTF-8 bytes; load with "
-                       "joyagents_jax.tokenizers.ByteTokenizer()"}, f, indent=2)
+        tokenizers.save_byte_tokenizer(folder)
         return
     for name in _TOKENIZER_FILES:
         if os.path.isfile(os.path.join(spec, name)):

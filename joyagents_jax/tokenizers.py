@@ -132,6 +132,51 @@ class ByteTokenizer:
         return text + (f"{IM_START}assistant\n" if add_generation_prompt else "")
 
 
+def save_byte_tokenizer(out_dir: str | os.PathLike) -> pathlib.Path:
+    """Writes `ByteTokenizer` as an HF folder (tokenizer.json, tokenizer_config.json) that
+    `transformers.AutoTokenizer.from_pretrained` loads with the same ids: byte-level BPE
+    without merges (each byte its own id, GPT-2's byte-to-character alphabet), then the control
+    tokens at 256.. and the unused ids up to the vocabulary size as reserved special tokens."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    byte_chars = _bytes_to_unicode()
+    backend = Tokenizer(models.BPE(vocab={byte_chars[b]: b for b in range(256)}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    tok = ByteTokenizer()
+    reserved = [f"<|reserved_{i}|>" for i in range(tok.vocab_size - 256 - len(tok.SPECIALS))]
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t in (*tok.SPECIALS, *reserved)])
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    backend.save(str(out / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None,
+              "eos_token": IM_END, "pad_token": ENDOFTEXT, "add_bos_token": False,
+              "clean_up_tokenization_spaces": False, "model_max_length": 1 << 20,
+              "chat_template": BYTE_CHAT_TEMPLATE}
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map of the 256 bytes to printable characters (byte-level BPE)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b], extra = chr(256 + extra), extra + 1
+    return chars
+
+
+# ChatML without a default system prompt: `ByteTokenizer.apply_chat_template` as a template.
+BYTE_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
 # ------------------------------------------------------------------------------------------------
 # Hugging Face tokenizer folders.
 # ------------------------------------------------------------------------------------------------

@@ -216,3 +216,18 @@ def test_cli_runs_as_module():
     result = subprocess.run([sys.executable, "-m", "joyagents_jax.cli", "--help"],
                             capture_output=True, text=True, check=True)
     assert "tokenizer" in result.stdout
+
+
+def test_the_byte_tokenizer_saved_for_transformers_gives_the_same_ids(tmp_path):
+    import transformers
+
+    tokenizers.save_byte_tokenizer(tmp_path)
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    ours = tokenizers.ByteTokenizer()
+    messages = [{"role": "user", "content": "What is 3 × 4? ü€😀 <call agent=\"qa\"/>"}]
+    text = ours.apply_chat_template(messages) + "  tabs\tand\x00nul<|endoftext|>"
+    assert hf.encode(text) == ours.encode(text)
+    assert hf.decode(ours.encode(text)) == ours.decode(ours.encode(text)) == text
+    assert hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
+        ours.apply_chat_template(messages)
+    assert (len(hf), hf.pad_token_id, hf.eos_token_id) == (ours.vocab_size, ours.pad_id, 258)

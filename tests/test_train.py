@@ -169,6 +169,39 @@ def test_cli_train_eval_export_plot(reference_run, tmp_path):
     assert cli.main(["plot", "--workdir", reference_run]) == 0
 
 
+def test_exported_agents_generate_our_greedy_text_in_transformers_alone(reference_run, tmp_path):
+    """Tokenizer and weights from the export folder only: the same greedy text as our sampler."""
+    import torch
+    import transformers
+    from joyagents_jax.agents import protocol
+    from joyagents_jax.sampling import SamplingConfig
+
+    out = str(tmp_path / "export")
+    export.export(reference_run, out)
+    exp, state, _, _ = evaluate.load_run(reference_run)
+    query = "What is the price of the Aero Lamp?"
+    for agent in ("master", "qa"):
+        group, index = exp.slots[agent]
+        prompt = protocol.render_prompt(exp.tokenizer, exp.system.specs[agent], query, [])
+        ours = exp.samplers[group].generate(
+            state.groups[group].params, [exp.tokenizer.encode(prompt)], agent=index,
+            key=jax.random.key(0), scfg=SamplingConfig(16, greedy=True),
+            stop_ids=exp.tokenizer.stop_ids)
+        ours_text = exp.tokenizer.decode(ours.tokens[0, 0, :int(ours.lengths[0, 0])])
+
+        tok = transformers.AutoTokenizer.from_pretrained(os.path.join(out, agent))
+        model = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(out, agent))
+        ids = tok(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            gen = model.generate(ids, max_new_tokens=16, do_sample=False,
+                                 eos_token_id=list(exp.tokenizer.stop_ids),
+                                 pad_token_id=tok.pad_token_id)
+        hf_text = tok.decode(gen[0, ids.shape[1]:], skip_special_tokens=False)
+        assert ids[0].tolist() == exp.tokenizer.encode(prompt)
+        assert hf_text.removesuffix("<|endoftext|>").removesuffix("<|im_end|>") == ours_text
+        assert ours_text, "an empty generation would compare nothing"
+
+
 def test_a_bad_config_fails_before_the_workdir_is_touched(tmp_path, data_dir):
     start = time.perf_counter()
     with pytest.raises(ValueError, match=r"2 config problem\(s\):\n  - config.grpo.kl='k9'"):
