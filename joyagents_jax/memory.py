@@ -1,4 +1,4 @@
-"""Adaptive memory evolution (DESIGN §6): a device-resident table per agent, fed by GRPO rewards.
+"""Adaptive memory evolution: a device-resident table per agent, fed by GRPO rewards.
 
 Each agent keeps a fixed-capacity table of (key, request, response, reward, step, hits). Keys are
 mean-pooled final hidden states of the agent's frozen reference policy over the node's prompt

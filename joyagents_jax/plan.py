@@ -28,7 +28,7 @@ from joyagents_jax import train_state as ts
 from joyagents_jax.models import hf_io, presets, qwen2
 
 # Named systems: groups of (preset, agents). Agents that share an architecture form one
-# stacked group (DESIGN §3): the paper's master + qa/efc/gfc/math sub-agents.
+# stacked group: the paper's master + qa/efc/gfc/math sub-agents.
 SYSTEMS: dict[str, tuple[tuple[str, int], ...]] = {
     "3b+3b": (("qwen2.5-3b", 5),),
     "7b+3b": (("qwen2.5-7b", 1), ("qwen2.5-3b", 4)),

@@ -1,4 +1,4 @@
-"""Episode rewards R = R_A + R_F - R_E (DESIGN.md section 5), on the host.
+"""Episode rewards R = R_A + R_F - R_E, on the host.
 
 R_A in [0, 1] comes from an answer checker: normalized exact match (`text`), numeric equality
 with tolerance (`number`) or structural equality of a JSON function call (`call`). R_F rewards

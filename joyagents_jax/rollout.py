@@ -1,4 +1,4 @@
-"""Rollouts: node-wise Monte Carlo sampling (DESIGN §4) and its baselines, batched in waves.
+"""Rollouts: node-wise Monte Carlo sampling and its baselines, batched in waves.
 
 `nodewise` (JoyAgents-R1): sample an initial trajectory tau0 per query; for every LLM node i of
 tau0, draw G - 1 more outputs of node i's agent from tau0's prefix c_i (tau0's own output is the

@@ -6,7 +6,7 @@ or routes to a sub-agent, and either asks for the next node or finishes. Nothing
 the rollout engine batches the pending nodes of many episodes into few sampler calls, and
 replays recorded outputs to branch an episode at any node (tools are deterministic).
 
-Every failure path ends or continues without an exception (DESIGN §3): a malformed action ends
+Every failure path ends or continues without an exception: a malformed action ends
 the episode; an unknown agent or tool, or a tool error, becomes an observation; the node and
 token limits end the episode with whatever reward it earned.
 """
@@ -175,7 +175,7 @@ class Episode:
 
     def reward(self, gold: str, kind: str, min_llm_calls: int,
                cfg: rewards.RewardConfig = rewards.RewardConfig()) -> rewards.RewardParts:
-        """R_A + R_F - R_E of the finished episode (DESIGN §5)."""
+        """R_A + R_F - R_E of the finished episode."""
         score = 0.0 if self.answer is None else rewards.check_answer(self.answer, gold, kind, cfg)
         return rewards.reward_parts(score, len(self.nodes), sum(n.wellformed for n in self.nodes),
                                     self.llm_calls, min_llm_calls, cfg)

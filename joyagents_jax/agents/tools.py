@@ -1,4 +1,4 @@
-"""Safe tools for the sub-agents (DESIGN §3): pure functions of (arguments, world).
+"""Safe tools for the sub-agents: pure functions of (arguments, world).
 
 `run_tool` is the one entry point the episode engine needs. It parses and validates the arguments
 against the tool's schema, runs the tool, and turns every failure (unknown tool, bad JSON, missing

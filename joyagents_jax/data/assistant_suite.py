@@ -1,4 +1,4 @@
-"""The assistant task suite (DESIGN §7): a procedural, seeded tfds dataset of multi-agent tasks.
+"""The assistant task suite: a procedural, seeded tfds dataset of multi-agent tasks.
 
 Five domains over one synthetic `World`: `math` (expressions and word problems, calculator), `qa`
 (product knowledge base), `efc` (orders, returns, coupons), `gfc` (weather, unit conversion) and
@@ -10,7 +10,7 @@ questions never occur in train.
 
 Every example carries its gold trajectory: each LLM node's output, in order, with the observation
 each tool node produces on the world, so an engine can replay it. Queries and outputs are short
-and every answer is copied from an observation (DESIGN §10: tiny byte-level models). `load_suite`
+and every answer is copied from an observation (tiny byte-level models copy well). `load_suite`
 builds array_record files once and reads them with `tfds.data_source` (no TensorFlow).
 """
 

@@ -2,7 +2,7 @@
 
 `make_world(seed)` builds everything with one `random.Random(seed)` in milliseconds, identically in
 every process (no hash-ordered containers are iterated). Entity names are random pronounceable
-strings (DESIGN §10): a policy has to copy them from the query and the observations, because it
+strings: a policy has to copy them from the query and the observations, because it
 cannot have memorized them. Order ids and coupon codes are random as well. Lookups by name are
 case-insensitive; tools (`agents/tools.py`) are the only code that reads a world at run time.
 """
