@@ -12,6 +12,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
+from joyagents_jax import xla_flags
+
 
 class Command(NamedTuple):
     summary: str
@@ -64,6 +66,7 @@ def usage() -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Dispatches to the subcommand named by the first argument; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    xla_flags.pin_cpu_numerics()  # before any subcommand starts JAX
     if argv and argv[0] in ("-h", "--help"):
         print(usage())
         return 0

@@ -77,7 +77,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
     if step < total:  # preempted: the checkpoint is saved, a rerun resumes
         return last_eval
     if not last_eval:  # resumed at the last step (a stop between its save and the report)
-        last_eval = evaluate_all(exp, state, memory)
+        last_eval = evaluate_all(exp, state, memory, policy_alone=True)
     if primary:
         plots.plot_workdir(workdir)
         tmp = os.path.join(workdir, workdir_lib.FINAL_EVAL + ".tmp")
@@ -115,7 +115,7 @@ def _loop(exp, ckpt, guard, writer, start):
         step += 1
         boundary = step in (sft_steps, total)
         if _every(step, config.eval.every) or boundary:
-            last_eval = evaluate_all(exp, state, memory)
+            last_eval = evaluate_all(exp, state, memory, policy_alone=step == total)
             m.update(last_eval)
         writer.write(step, m, phase=phase)
         progress.update(1, phase=phase, **postfix)
@@ -148,16 +148,24 @@ def report(final: dict[str, float], workdir: str, already: bool = False) -> None
     """Prints the held-out accuracies of the run's end (stdout: the run's answer)."""
     head = (f"{workdir} is already complete; nothing was changed." if already
             else f"Finished: {workdir}")
-    rows = [f"  {k.removeprefix('eval/')}: {v:.3f}" for k, v in sorted(final.items())
-            if k.endswith("/accuracy")]
+    rows = [f"  {k.split('/')[1]}: {v:.3f}" + (
+                f" (policies alone, without the memory: {final[alone]:.3f})"
+                if (alone := k.replace("eval/", "eval_no_memory/")) in final else "")
+            for k, v in sorted(final.items()) if k.startswith("eval/") and k.endswith("/accuracy")]
     print("\n".join([head, "Held-out accuracy at the end (greedy; with the memory when it is "
                      "on):", *rows, f"Per domain: {os.path.join(workdir, 'final_eval.json')}"]))
 
 
-def evaluate_all(exp: experiment.Experiment, state, memory) -> dict[str, float]:
+def evaluate_all(exp: experiment.Experiment, state, memory, *,
+                 policy_alone: bool = False) -> dict[str, float]:
+    """eval/<split>/... for every split (with the memory when there is one); with
+    `policy_alone`, also eval_no_memory/<split>/...: what the trained policies do by themselves."""
     out = {}
     for split in exp.config.eval.splits:
         out.update(exp.evaluate(state, split, exp.config.eval.examples, memory))
+        if policy_alone and memory is not None:
+            alone = exp.evaluate(state, split, exp.config.eval.examples, None)
+            out.update({f"eval_no_memory/{k.removeprefix('eval/')}": v for k, v in alone.items()})
     return out
 
 

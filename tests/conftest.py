@@ -4,6 +4,10 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+from joyagents_jax import xla_flags  # noqa: E402
+
+xla_flags.pin_cpu_numerics()  # as the `joyagents` command does: in-process runs match its own
+
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")

@@ -166,8 +166,10 @@ def test_cli_train_eval_export_plot(reference_run, tmp_path):
         assert r["time/memory_update_seconds"] > 0
     assert all(p.endswith(".png") for p in os.listdir(os.path.join(reference_run, "plots")))
     final = json.load(open(os.path.join(reference_run, "final_eval.json")))
-    assert final == {k: v for k, v in rows[-1].items() if k.startswith("eval/")}
-    assert {"eval/test/accuracy", "eval/test_novel/accuracy"} <= set(final)
+    assert final == {k: v for k, v in rows[-1].items() if k.startswith("eval")}
+    assert {"eval/test/accuracy", "eval/test_novel/accuracy", "eval_no_memory/test/accuracy",
+            "eval_no_memory/test_novel/accuracy"} <= set(final)
+    assert not any(k.startswith("eval_no_memory/") for r in rows[:-1] for k in r)
 
     from joyagents_jax import cli
     assert cli.main(["eval", "--workdir", reference_run, "--examples", "2"]) == 0
@@ -242,7 +244,8 @@ def test_rerunning_a_finished_run_changes_nothing(reference_run, capsys):
     assert snapshot() == before
     assert final == json.load(open(os.path.join(reference_run, "final_eval.json")))
     out = capsys.readouterr().out
-    assert "already complete; nothing was changed" in out and "test/accuracy: " in out
+    assert "already complete; nothing was changed" in out
+    assert "test: " in out and "(policies alone, without the memory: " in out
 
 
 def test_an_overflowing_update_stops_the_run_and_saves_no_non_finite_value(tmp_path, data_dir):

@@ -1,0 +1,22 @@
+"""The portable CPU numerics flags: added once, never over a flag the user set, switchable off."""
+
+from joyagents_jax import xla_flags
+
+
+def test_flags_are_added_to_what_the_user_set():
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    xla_flags.pin_cpu_numerics(env)
+    assert env["XLA_FLAGS"].split() == ["--xla_force_host_platform_device_count=8",
+                                        *xla_flags.PORTABLE]
+    xla_flags.pin_cpu_numerics(env)  # idempotent
+    assert env["XLA_FLAGS"].split().count("--xla_cpu_max_isa=AVX2") == 1
+
+
+def test_a_users_own_value_wins_and_the_switch_turns_it_off():
+    env = {"XLA_FLAGS": "--xla_cpu_max_isa=AVX512"}
+    xla_flags.pin_cpu_numerics(env)
+    assert env["XLA_FLAGS"].split() == ["--xla_cpu_max_isa=AVX512",
+                                        "--xla_cpu_experimental_ynn_fusion_type="]
+    env = {xla_flags.SWITCH: "0"}
+    xla_flags.pin_cpu_numerics(env)
+    assert "XLA_FLAGS" not in env
