@@ -4,7 +4,7 @@ Metric keys are flat and `/`-separated (`metrics.MetricsWriter`); the train loop
 these, and each plot is written only when at least one of its keys is present:
 
     sft_loss.png         sft/loss                        SFT cross-entropy
-    reward.png           grpo/reward/<agent>             mean reward of the agent's samples
+    reward.png           grpo/reward/<agent>             mean reward of the agent's samples (raw, moving average)
     selected_agents.png  grpo/updated/<agent>            1 if the agent was updated (top-K), else 0
     accuracy.png         eval/<split>/accuracy           held-out accuracy over all domains
                          eval/<split>/accuracy/<domain>  held-out accuracy of one domain
@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 from matplotlib.figure import Figure
+from matplotlib.patches import Patch
 
 from joyagents_jax.metrics import METRICS_FILE, read_metrics
 
@@ -76,14 +77,28 @@ def plot_sft_loss(rows: Rows, path: Path) -> bool:
     return _panels(rows, path, "SFT warm start", [("sft/loss", "loss")])
 
 
+def smooth(values: Sequence[float], window: int) -> list[float]:
+    """Trailing moving average over up to `window` points (the first points average fewer)."""
+    sums = np.cumsum(np.asarray(values, float))
+    lagged = np.concatenate([np.zeros(min(window, len(sums))), sums[:-window]])[:len(sums)]
+    counts = np.minimum(np.arange(1, len(sums) + 1), window)
+    return list((sums - lagged) / counts)
+
+
 def plot_reward(rows: Rows, path: Path) -> bool:
+    """Per agent: the raw per-step mean reward (faint) and its moving average (bold)."""
     agents = _children(rows, "grpo/reward")
     if not agents:
         return False
     fig, (ax,) = _figure(1)
     for agent in agents:
-        ax.plot(*_series(rows, f"grpo/reward/{agent}"), label=agent)
-    ax.set(xlabel="step", ylabel="mean reward", title="GRPO reward per agent")
+        steps, values = _series(rows, f"grpo/reward/{agent}")
+        window = max(1, len(steps) // 10)
+        line, = ax.plot(steps, smooth(values, window), linewidth=2,
+                        label=f"{agent} ({window}-step mean)")
+        ax.plot(steps, values, color=line.get_color(), alpha=0.25, linewidth=1)
+    ax.set(xlabel="step", ylabel="mean reward",
+           title="GRPO reward per agent (faint: each step)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
     fig.savefig(path, dpi=100)
@@ -104,6 +119,10 @@ def plot_accuracy(rows: Rows, path: Path) -> bool:
         steps, overall = _series(rows, prefix)
         if steps:
             ax.plot(steps, overall, "k-", linewidth=2.5, marker="o", label="all")
+        steps, alone = _series(rows, f"eval_no_memory/{split}/accuracy")
+        if steps:
+            ax.plot(steps, alone, "k", linestyle="none", marker="x", markersize=9,
+                    label="all, policies without memory")
         ax.set(xlabel="step", ylabel="accuracy", title=f"held-out accuracy: {split}",
                ylim=(-0.02, 1.02))
         ax.grid(alpha=0.3)
@@ -132,6 +151,11 @@ def plot_selected_agents(rows: Rows, path: Path) -> bool:
     ax.set_xticks(list(ticks), [str(steps[i]) for i in ticks])
     ax.set_yticks(range(len(agents)), agents)
     ax.set(xlabel="step", title="agents updated per step (top-K by reward variance)")
+    cmap = ax.images[0].cmap
+    ax.legend(handles=[Patch(color=cmap(1.0), label="updated"),
+                       Patch(facecolor=cmap(0.0), edgecolor="0.6", label="not updated"),
+                       Patch(facecolor="white", edgecolor="0.6", label="not logged")],
+              loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
     fig.savefig(path, dpi=100)
     return True
 

@@ -55,3 +55,11 @@ def test_main_writes_plots_and_rejects_a_folder_without_metrics(tmp_path, capsys
     assert capsys.readouterr().out.count("Wrote ") == len(plots.PLOTS)
     assert plots.main(["--workdir", str(tmp_path / "nothing")]) == 2
     assert "no metrics.jsonl" in capsys.readouterr().err
+
+
+def test_smooth_is_a_trailing_moving_average():
+    from joyagents_jax import plots
+
+    np.testing.assert_allclose(plots.smooth([1, 3, 5, 7], 2), [1, 2, 4, 6])
+    np.testing.assert_allclose(plots.smooth([2, 4, 9], 1), [2, 4, 9])
+    np.testing.assert_allclose(plots.smooth([2, 4], 5), [2, 3])
