@@ -95,7 +95,7 @@ def main():
         cfg = presets.get_preset(size)
         group = ts.init_random_group(cfg, ts.OptimConfig(learning_rate=1e-4), args.agents,
                                      jax.random.key(0))
-        state = ts.create({"all": group}, jax.random.key(1))
+        state = ts.create({"all": group})
         step = grpo_step.make_grpo_step(grpo_step.GRPOStepConfig(
             loss=grpo.GRPOConfig(beta=0.04), inner_steps=args.inner))
         data = batch(cfg, args.agents, args.batch, args.seq)

@@ -9,6 +9,7 @@ exactly what an uninterrupted one draws.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 import time
 from collections.abc import Sequence
@@ -17,14 +18,13 @@ import jax
 import ml_collections
 import numpy as np
 
-from joyagents_jax import batching, grpo, grpo_step, rollout, sft, sharding
-from joyagents_jax import config_checks
-from joyagents_jax import rewards as rw
+from joyagents_jax import batching, grpo_step, rollout, sft, sharding
+from joyagents_jax import components, config_checks
 from joyagents_jax import train_state as ts
 from joyagents_jax.agents import protocol, system
 from joyagents_jax.data import assistant_suite as suite
 from joyagents_jax.models import hf_io, presets, qwen2
-from joyagents_jax.sampling import Sampler, SamplingConfig
+from joyagents_jax.sampling import Sampler
 from joyagents_jax.tokenizers import load_tokenizer
 
 
@@ -50,6 +50,7 @@ class Experiment:
     def __init__(self, config: ml_collections.ConfigDict, workdir: str):
         config_checks.validate(config)
         self.config, self.workdir = config, workdir
+        self.parts = components.build(config)
         try:
             self.tokenizer = load_tokenizer(config.tokenizer)
         except (OSError, ValueError) as e:
@@ -57,7 +58,7 @@ class Experiment:
         self.sources = load_sources(config, workdir)
         self.system = system.make_system(suite.suite_world(config.suite),
                                          agents=[a for a in config.agents if a != protocol.MASTER],
-                                         limits=system.Limits(**config.limits))
+                                         limits=self.parts.limits)
         self.slots = {a: (g, i) for g, spec in config.groups.items()
                       for i, a in enumerate(spec.agents)}
         self.models = {}
@@ -86,7 +87,7 @@ class Experiment:
         self.demos = self._demonstrations()
         self._sft_step = sft.make_sft_step()
         self._shared_sft_step = sft.make_sft_step(shared=True)
-        self._grpo_step = grpo_step.make_grpo_step(self._grpo_config())
+        self._grpo_step = grpo_step.make_grpo_step(self.parts.grpo_step)
 
     # -- construction ------------------------------------------------------------------------
 
@@ -97,20 +98,6 @@ class Experiment:
             return hf_io.config_from_hf(spec.checkpoint, **kw)
         return presets.get_preset(spec.model, **kw)
 
-    def _optim(self, lr, warmup, steps, clip) -> ts.OptimConfig:
-        return ts.OptimConfig(learning_rate=lr, schedule="cosine" if steps > warmup else "constant",
-                              warmup_steps=warmup, total_steps=max(steps, warmup + 1),
-                              clip_norm=clip)
-
-    def sft_optim(self) -> ts.OptimConfig:
-        s = self.config.sft
-        return self._optim(s.learning_rate, s.warmup_steps, s.steps, s.clip_norm)
-
-    def grpo_optim(self) -> ts.OptimConfig:
-        g = self.config.grpo
-        return ts.OptimConfig(learning_rate=g.learning_rate, schedule="constant",
-                              warmup_steps=g.warmup_steps, clip_norm=g.clip_norm)
-
     def init_state(self) -> ts.TrainState:
         """Random or checkpoint-loaded agents, SFT optimizer, reference = initial params."""
         key = jax.random.key(self.config.seed)
@@ -120,18 +107,18 @@ class Experiment:
             if spec.checkpoint:
                 params, _ = hf_io.load_params(spec.checkpoint, model)
                 stacked = ts.stack_agents([params] * n)
-                groups[g] = ts.init_group(model, self.sft_optim(), stacked)
+                groups[g] = ts.init_group(model, self.parts.sft_optim, stacked)
             elif self.config.sft.shared_steps:  # one base policy, copied to every agent
                 base = qwen2.init_params(model, jax.random.fold_in(key, i))
-                groups[g] = ts.init_group(model, self.sft_optim(), ts.stack_agents([base] * n))
+                groups[g] = ts.init_group(model, self.parts.sft_optim, ts.stack_agents([base] * n))
             else:
-                groups[g] = ts.init_random_group(model, self.sft_optim(), n,
+                groups[g] = ts.init_random_group(model, self.parts.sft_optim, n,
                                                  jax.random.fold_in(key, i))
-        return self._place(ts.create(groups, jax.random.fold_in(key, 1_000_003)))
+        return self._place(ts.create(groups))
 
     def start_grpo(self, state: ts.TrainState) -> ts.TrainState:
         """After SFT: freeze the reference policy and switch to the GRPO optimizer."""
-        groups = {n: ts.init_group(g.model, self.grpo_optim(), g.params)
+        groups = {n: ts.init_group(g.model, self.parts.grpo_optim, g.params)
                   for n, g in state.groups.items()}
         return self._place(state.replace(groups=groups))
 
@@ -147,16 +134,6 @@ class Experiment:
         if isinstance(batch, grpo_step.GRPOBatch):
             return jax.device_put(batch, grpo_step.batch_shardings(batch, self.mesh))
         return jax.device_put(batch, ts.agent_batch_shardings(batch, self.mesh))
-
-    def _grpo_config(self) -> grpo_step.GRPOStepConfig:
-        g = self.config.grpo
-        loss = grpo.GRPOConfig(eps_low=g.eps_low, eps_high=g.eps_high, beta=g.beta, kl=g.kl,
-                               aggregation=g.aggregation,
-                               max_len=self.config.limits.max_tokens_per_node)
-        advantage = "given" if g.mode == "trajectory" else g.advantage
-        return grpo_step.GRPOStepConfig(loss=loss, inner_steps=g.inner_steps,
-                                        topk=g.topk or None, select=g.select, advantage=advantage,
-                                        micro_batch=g.micro_batch or None)
 
     def _demonstrations(self) -> dict[str, list[tuple[list[int], list[int]]]]:
         """Per agent, (context ids, output ids) of every node of every train gold trajectory."""
@@ -201,17 +178,10 @@ class Experiment:
         return out
 
     def policy(self, params: dict, key: jax.Array, greedy: bool = False) -> rollout.SamplerPolicy:
-        g = self.config.grpo
-        scfg = SamplingConfig(self.config.limits.max_tokens_per_node, temperature=g.temperature,
-                              top_k=g.top_k, top_p=g.top_p, greedy=greedy)
+        scfg = dataclasses.replace(self.parts.sampling, greedy=greedy)
         policy = rollout.SamplerPolicy(self.samplers, self.slots, scfg, self.tokenizer, key)
         policy.params = params
         return policy
-
-    def rollout_config(self) -> rollout.RolloutConfig:
-        g = self.config.grpo
-        return rollout.RolloutConfig(g.mode, g.group_size,
-                                     rw.RewardConfig(w_format=g.w_format, w_efficiency=g.w_efficiency))
 
     def grpo_step(self, state: ts.TrainState, step: int, memory=None
                   ) -> tuple[ts.TrainState, dict, rollout.RolloutResult]:
@@ -222,7 +192,7 @@ class Experiment:
         key = jax.random.fold_in(jax.random.key(self.config.seed), 2_000_003 + step)
         policy = self.policy({g: grp.params for g, grp in state.groups.items()}, key)
         tasks = self.train_tasks(step)
-        result = rollout.Rollout(self.system, self.tokenizer, policy, self.rollout_config(),
+        result = rollout.Rollout(self.system, self.tokenizer, policy, self.parts.rollout,
                                  memory).run(tasks)
         rollout_seconds = time.perf_counter() - start
         fits = [s for s in result.samples
@@ -291,7 +261,7 @@ class Experiment:
         if memory is not None:  # read-only: evaluating never changes the run's memory
             memory = memory.frozen()
             memory.set_state(state)
-        engine = rollout.Rollout(self.system, self.tokenizer, policy, self.rollout_config(), memory)
+        engine = rollout.Rollout(self.system, self.tokenizer, policy, self.parts.rollout, memory)
         result = engine.episodes([task_of(e) for e in exs])
         seconds = time.perf_counter() - start
         return summarize(exs, result, seconds, f"eval/{split}")

@@ -242,32 +242,17 @@ def grpo_loss(
 # --------------------------------------------------------------------------------------------
 
 
-def group_reward_variance(group_rewards: jax.Array, group_valid: jax.Array) -> jax.Array:
-    """Population reward variance per group over its valid members. [G, M] -> [G] float32.
-
-    Exactly 0 for groups whose valid rewards are all equal or that have < 2 valid members,
-    so `variance > 0` is an exact test for "this group carries a learning signal" (the mean
-    of equal floats need not round back to them, which would leave a spurious tiny variance).
-    """
-    r = group_rewards.astype(jnp.float32)
-    valid = group_valid.astype(bool)
-    n = jnp.sum(valid, axis=-1)
-    mean = jnp.sum(jnp.where(valid, r, 0.0), axis=-1) / jnp.maximum(n, 1)
-    var = jnp.sum(jnp.where(valid, (r - mean[:, None]) ** 2, 0.0), axis=-1) / jnp.maximum(n, 1)
-    spread = jnp.max(jnp.where(valid, r, -jnp.inf), -1) > jnp.min(jnp.where(valid, r, jnp.inf), -1)
-    return jnp.where(spread & (n >= 2), var, 0.0)
-
-
 def segment_reward_variance(
     rewards: jax.Array,  # [N]
     group_ids: jax.Array,  # [N] int; -1 marks a padding sample
     num_groups: int,
 ) -> jax.Array:  # [G] float32
-    """`group_reward_variance` for samples that name their group instead of sitting in a [G, M]
-    table (the train step's layout, where a group's members may sit anywhere in the batch).
+    """Population reward variance of each node group; a sample names its group, so a group's
+    members may sit anywhere in the batch (the train step's layout).
 
-    Same exact-zero rule: 0 for groups with < 2 samples or no reward spread. Samples with a
-    non-finite reward are left out, so one bad reward cannot poison the batch.
+    Exactly 0 (not merely tiny) for groups with < 2 samples or no reward spread, so they are
+    never kept. Samples with a non-finite reward are left out: one bad reward cannot poison
+    the batch.
     """
     r = rewards.astype(jnp.float32)
     ok = (group_ids >= 0) & (group_ids < num_groups) & jnp.isfinite(r)
@@ -294,17 +279,8 @@ def top_k_positive(scores: jax.Array, k: int | None) -> jax.Array:
     return jnp.zeros(scores.shape, bool).at[idx].set(True) & (scores > 0)
 
 
-def select_groups(group_rewards: jax.Array, group_valid: jax.Array, k: int | None) -> jax.Array:
-    """The K groups with the largest reward variance. [G, M], [G, M] -> kept [G] bool.
-
-    Zero-variance groups are never kept (their advantages are all 0); k >= G or k=None keeps
-    every group with a non-zero variance. k is static.
-    """
-    return top_k_positive(group_reward_variance(group_rewards, group_valid), k)
-
-
 def select_agents(
-    variances: jax.Array,  # [G] from group_reward_variance
+    variances: jax.Array,  # [G] from segment_reward_variance
     group_agent: jax.Array,  # [G] int; -1 marks a padding group
     num_agents: int,
     k: int | None,

@@ -255,7 +255,8 @@ def _reference_logprobs(group: ts.AgentGroup, r: Rollouts, beta: float,
     if not beta:
         return None
     if group.ref_params is None:
-        raise ValueError("beta > 0 needs reference params; see train_state.set_reference.")
+        raise ValueError("beta > 0 needs reference params (init_group(..., reference=True); "
+                         "a run freezes them when GRPO starts).")
     rows = r.tokens.shape[1]
     size = _micro_size(rows, micro_batch)
 

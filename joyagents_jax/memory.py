@@ -39,7 +39,6 @@ from joyagents_jax.agents import protocol
 from joyagents_jax.agents.system import AgentSystem, Request
 from joyagents_jax.models import qwen2
 
-TRACES: collections.Counter[str] = collections.Counter()  # traces per jitted function (recompiles)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,7 +175,6 @@ def _similarity(table: MemoryTable, queries: jax.Array) -> jax.Array:
 @jax.jit
 def lookup(table: MemoryTable, queries: jax.Array) -> tuple[jax.Array, jax.Array]:
     """queries [B, d] -> (best similarity [B], its slot [B]); (-inf, -1) for an empty table."""
-    TRACES["lookup"] += 1
     sim = _similarity(table, queries)
     slot = jnp.argmax(sim, axis=-1).astype(jnp.int32)
     best = jnp.take_along_axis(sim, slot[:, None], axis=-1)[:, 0]
@@ -243,7 +241,6 @@ def _write(table: MemoryTable, slot: jax.Array, cand: Candidates, step: jax.Arra
 def _update(table: MemoryTable, cands: Candidates, hits: HitRecords, th: Thresholds,
             step: jax.Array, cfg: MemoryConfig) -> tuple[MemoryTable, dict[str, jax.Array]]:
     """One training step's memory update (see the module docstring)."""
-    TRACES["update"] += 1
     table, deletions = _delete_bad_hits(table, hits, th)
     c = table.valid.shape[0]
 
@@ -506,10 +503,9 @@ def config_from(m, best_reward: float) -> MemoryConfig:
 
 
 def from_experiment(exp, state) -> MemoryHook:
-    """The hook of a training run: `exp.config.memory` settings, the agent groups' reference
+    """The hook of a training run: `exp.parts.memory` settings, the agent groups' reference
     params of `state` (set them before GRPO), and the run's system, tokenizer and agent slots."""
-    cfg = config_from(exp.config.memory, exp.rollout_config().rewards.best_memory_reward)
-    return MemoryHook(exp.system, exp.tokenizer, group_models(state), exp.slots, cfg)
+    return MemoryHook(exp.system, exp.tokenizer, group_models(state), exp.slots, exp.parts.memory)
 
 
 def group_models(state) -> dict[str, GroupModel]:

@@ -158,8 +158,7 @@ def abstract_state(groups: Sequence[Group]) -> ts.TrainState:
             params=tree["params"], opt_state=tree["optimizer"], ref_params=tree["reference"],
             model=g.cfg, optim=ts.OptimConfig())
     scalar = jax.ShapeDtypeStruct((), jnp.int32)
-    return ts.TrainState(groups=agent_groups, step=scalar, skipped=scalar,
-                         rng=jax.eval_shape(lambda: jax.random.key(0)))
+    return ts.TrainState(groups=agent_groups, step=scalar, skipped=scalar)
 
 
 def abstract_batch(pc: PlanConfig, mesh: jax.sharding.Mesh, state: ts.TrainState

@@ -61,7 +61,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
         return final
     primary = jax.process_index() == 0
     exp = experiment.Experiment(config, workdir)
-    sft_steps, total = config.sft.steps, config.sft.steps + config.grpo.steps
+    total = config.sft.steps + config.grpo.steps
 
     fresh = exp.init_state()
     with checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep,

@@ -108,12 +108,12 @@ class AgentGroup:
 
 @flax.struct.dataclass
 class TrainState:
-    """Everything a train step reads and writes; `rng` is for the caller's sampling."""
+    """Everything a train step reads and writes. Randomness is not state: the trainer derives
+    every key from (seed, step), so a resumed run draws what an uninterrupted one draws."""
 
     groups: dict[str, AgentGroup]
     step: jax.Array  # [] int32, applied steps
-    skipped: jax.Array  # [] int32, steps dropped for a non-finite loss or gradient
-    rng: jax.Array
+    skipped: jax.Array  # [] int32, steps dropped for a non-finite loss, gradient or update
 
 
 def stack_agents(params: Sequence[Params]) -> Params:
@@ -157,16 +157,10 @@ def init_random_group(model: qwen2.Qwen2Config, optim: OptimConfig, num_agents: 
     return init_group(model, optim, params, reference=reference)
 
 
-def create(groups: Mapping[str, AgentGroup], rng: jax.Array) -> TrainState:
+def create(groups: Mapping[str, AgentGroup]) -> TrainState:
     """The state before the first step. Counters are separate buffers so both can be donated."""
     return TrainState(groups=dict(groups), step=jnp.zeros((), jnp.int32),
-                      skipped=jnp.zeros((), jnp.int32), rng=rng)
-
-
-def set_reference(state: TrainState) -> TrainState:
-    """Freezes the current params as every group's KL reference (call after SFT)."""
-    groups = {n: g.replace(ref_params=_copy(g.params)) for n, g in state.groups.items()}
-    return state.replace(groups=groups)
+                      skipped=jnp.zeros((), jnp.int32))
 
 
 def agent_offsets(groups: Mapping[str, Any]) -> dict[str, int]:
@@ -192,15 +186,14 @@ def state_shardings(state: TrainState, mesh: Mesh, rules: sharding.Rules = shard
     """`NamedSharding`s shaped like `state`, for the in/out shardings of a jitted step.
 
     Params, reference and optimizer state follow the partition rules with the agent axis in
-    front (`sharding.param_shardings(stacked=True)`, kwargs go there); counters and the PRNG key
-    are replicated.
+    front (`sharding.param_shardings(stacked=True)`, kwargs go there); counters are replicated.
     """
     place = lambda tree: sharding.param_shardings(mesh, tree, rules, stacked=True, **kwargs)
     groups = {name: g.replace(params=place(g.params), opt_state=place(g.opt_state),
                               ref_params=place(g.ref_params))
               for name, g in state.groups.items()}
     replicated = NamedSharding(mesh, P())
-    return state.replace(groups=groups, step=replicated, skipped=replicated, rng=replicated)
+    return state.replace(groups=groups, step=replicated, skipped=replicated)
 
 
 def agent_batch_shardings(batch: Any, mesh: Mesh) -> Any:

@@ -75,7 +75,7 @@ def _state():
     stack = lambda n, seed: jax.tree.map(
         lambda *x: np.stack(x), *[qwen2.init_params(cfg, jax.random.key(seed + i)) for i in range(n)])
     return ts.create({"m": ts.init_group(cfg, optim, stack(1, 0)),
-                      "subs": ts.init_group(cfg, optim, stack(2, 5))}, jax.random.key(0))
+                      "subs": ts.init_group(cfg, optim, stack(2, 5))})
 
 
 @pytest.mark.parametrize("topk", [None, 1])

@@ -42,7 +42,7 @@ def _state(seed: int = 0) -> dict:
     group = ts.apply_gradients(group, grads, jnp.array([True, False, True]))
     memory = Memory(keys=jnp.asarray(rng.standard_normal((6, 4)), jnp.bfloat16),
                     hits=jnp.arange(6, dtype=jnp.int32), capacity=6)
-    return {"train": ts.create({"subs": group}, jax.random.key(seed)), "memory": memory}
+    return {"train": ts.create({"subs": group}), "memory": memory}
 
 
 def _bits(tree) -> list[bytes]:

@@ -6,7 +6,7 @@ import ml_collections
 import pytest
 
 from joyagents_jax import config as config_lib
-from joyagents_jax import config_checks, memory
+from joyagents_jax import config_checks
 
 
 def _with(**overrides) -> ml_collections.ConfigDict:
@@ -104,18 +104,3 @@ def test_batch_must_split_over_the_mesh(monkeypatch):
     found = config_checks.problems(_with(mesh="data=2,fsdp=4", sft__batch_per_agent=4))
     assert found == ["config.sft.batch_per_agent=4: not divisible by the mesh's data x fsdp "
                      "size 8; use a multiple of 8."]
-
-
-def test_every_memory_field_reaches_the_memory_config():
-    c = config_lib.get_config()
-    values = {"capacity": 7, "response_len": 5, "request_len": 6, "tau_reuse": 0.91,
-              "tau_hint": 0.9, "hints": True, "reuse": False, "reuse_min_reward": 0.5,
-              "tau_dup": 0.93, "z": 1.5, "decay_steps": 9.0, "alpha": 0.3, "beta": 0.7,
-              "embed_batch": 3}
-    assert set(values) == set(c.memory) - {"enabled"}, "a memory key is not covered"
-    c.memory.update(values)
-    cfg = memory.config_from(c.memory, best_reward=1.1)
-    fields = {"response_len": "response_length", "request_len": "request_length"}
-    for key, value in values.items():
-        assert getattr(cfg, fields.get(key, key)) == value, key
-    assert cfg.best_reward == 1.1

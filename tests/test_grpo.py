@@ -276,8 +276,19 @@ def _variance_ref(rewards, valid):
     return np.array(out)
 
 
-def test_group_reward_variance():
-    got = grpo.group_reward_variance(GROUP_REWARDS, GROUP_VALID)
+def _variance(rewards, valid):
+    """`grpo.segment_reward_variance` of a [G, M] table of groups (members flattened)."""
+    groups = rewards.shape[0]
+    ids = jnp.where(valid, jnp.arange(groups)[:, None], -1).reshape(-1)
+    return grpo.segment_reward_variance(jnp.reshape(rewards, -1), ids, groups)
+
+
+def _select_groups(rewards, valid, k):
+    return grpo.top_k_positive(_variance(rewards, valid), k)
+
+
+def test_segment_reward_variance_of_a_group_table():
+    got = _variance(GROUP_REWARDS, GROUP_VALID)
     chex.assert_shape(got, (7,))
     np.testing.assert_allclose(got, _variance_ref(GROUP_REWARDS, GROUP_VALID), rtol=1e-6)
     assert np.all(np.asarray(got)[[1, 4, 6]] == 0.0)  # exactly zero, not merely tiny
@@ -297,7 +308,7 @@ def test_group_reward_variance():
     ],
 )
 def test_select_groups(k, expected):
-    kept = jax.jit(grpo.select_groups, static_argnums=2)(GROUP_REWARDS, GROUP_VALID, k)
+    kept = jax.jit(_select_groups, static_argnums=2)(GROUP_REWARDS, GROUP_VALID, k)
     chex.assert_shape(kept, (7,))
     np.testing.assert_array_equal(np.flatnonzero(kept), expected)
 
@@ -309,7 +320,7 @@ def test_select_groups_random_matches_reference():
     var = _variance_ref(rewards, valid)
     order = sorted((i for i in range(40) if var[i] > 0), key=lambda i: (-var[i], i))
     for k in (1, 5, 13, 40):
-        kept = grpo.select_groups(rewards, valid, k)
+        kept = _select_groups(rewards, valid, k)
         np.testing.assert_array_equal(np.flatnonzero(kept), sorted(order[:k]))
 
 
@@ -325,7 +336,7 @@ def test_sample_weights_and_agent_update_mask():
 
 
 def test_select_agents():
-    var = grpo.group_reward_variance(GROUP_REWARDS, GROUP_VALID)  # [.25, 0, 1, .25, 0, .056, 0]
+    var = _variance(GROUP_REWARDS, GROUP_VALID)  # [.25, 0, 1, .25, 0, .056, 0]
     group_agent = np.array([0, 0, 1, 2, 3, 3, -1])
     # Mean group variance per agent: a0 0.125, a1 1.0, a2 0.25, a3 0.028, a4 (no groups) 0.
     select = jax.jit(grpo.select_agents, static_argnums=(2, 3))
@@ -342,7 +353,7 @@ def test_select_agents():
 def test_selection_vmaps_over_agents():
     rewards = np.stack([GROUP_REWARDS, GROUP_REWARDS[::-1]])
     valid = np.stack([GROUP_VALID, GROUP_VALID[::-1]])
-    kept = jax.jit(jax.vmap(lambda r, v: grpo.select_groups(r, v, 2)))(rewards, valid)
+    kept = jax.jit(jax.vmap(lambda r, v: _select_groups(r, v, 2)))(rewards, valid)
     chex.assert_shape(kept, (2, 7))
     np.testing.assert_array_equal(np.flatnonzero(kept[0]), [0, 2])
     np.testing.assert_array_equal(np.flatnonzero(kept[1]), [3, 4])  # 3 wins its tie with 6

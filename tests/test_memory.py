@@ -13,7 +13,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from joyagents_jax import config as config_lib
-from joyagents_jax import memory, rollout
+from joyagents_jax import components, memory, rollout
 from joyagents_jax.agents import protocol, system
 from joyagents_jax.data import assistant_suite as suite
 from joyagents_jax.models import qwen2
@@ -234,14 +234,14 @@ def test_record_hits_counts_reuses():
 def test_update_and_lookup_compile_once_for_fixed_shapes():
     cfg = dataclasses.replace(CFG, capacity=3)  # shapes no other test uses
     table = memory.init_table(cfg, D)
-    lookups, updates = memory.TRACES["lookup"], memory.TRACES["update"]
+    lookups, updates = memory.lookup._cache_size(), memory.update._cache_size()
     for t, reward in enumerate([1.1, 1.05, 1.0]):
         cands = batch([(E[t], reward)])
         th = memory.thresholds(cands.reward, cands.valid, cfg)
         table, _ = memory.update(table, cands, hits((t % 3, 0.0)), th, t, cfg)
         memory.lookup(table, np.stack(E[:3]) * (t + 1))
-    assert memory.TRACES["update"] - updates == 1
-    assert memory.TRACES["lookup"] - lookups == 1
+    assert memory.update._cache_size() - updates == 1  # one compile each for these shapes
+    assert memory.lookup._cache_size() - lookups == 1
 
 
 def test_orbax_round_trip_is_bit_exact(tmp_path):
@@ -279,8 +279,8 @@ def test_from_experiment_maps_the_run_config():
     ns = types.SimpleNamespace
     config = config_lib.get_config()
     config.memory.update(capacity=5, response_len=7, request_len=3, z=1.5)
-    exp = ns(config=config, system=sys_, tokenizer=TOK, slots={"master": ("g", 0), "qa": ("g", 1)},
-             rollout_config=lambda: rollout.RolloutConfig())
+    exp = ns(system=sys_, tokenizer=TOK, slots={"master": ("g", 0), "qa": ("g", 1)},
+             parts=components.build(config))
     hook = memory.from_experiment(exp, ns(groups={"g": ns(model=model, ref_params=ref)}))
     assert (hook.cfg.capacity, hook.cfg.response_length, hook.cfg.z) == (5, 7, 1.5)
     assert hook.tables["g"].key.shape == (2, 5, 8) and hook.tables["g"].request.shape == (2, 5, 3)

@@ -51,7 +51,7 @@ def state():
     """A fresh state per test: the step donates it."""
     groups = {"subs": ts.init_group(SUB, OPTIM, _random_params(SUB, 3, 0)),
               "master": ts.init_group(MASTER, OPTIM, _random_params(MASTER, 1, 1))}
-    return ts.create(groups, jax.random.key(2))
+    return ts.create(groups)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,58 @@
+"""Every component's config, built from one run config in one place.
+
+The run config (`config.py`, `experiments/configs/*.py`) is the only thing a user edits; this
+module turns its sections into the frozen dataclasses the components take (optimizers, the GRPO
+step, the rollout and its rewards, the sampler, the episode limits, the memory), so no field is
+translated twice and every field reaches its component (tests/test_components.py checks that
+each key changes what is built, or is one of the loop's own `LOOP_KEYS`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import ml_collections
+
+from joyagents_jax import grpo, grpo_step, memory, rollout
+from joyagents_jax import rewards as rw
+from joyagents_jax import train_state as ts
+from joyagents_jax.agents import system
+from joyagents_jax.sampling import SamplingConfig
+
+# Read by the train loop itself (how many steps, which batch), not by a component.
+LOOP_KEYS = ("sft.steps", "sft.shared_steps", "sft.batch_per_agent", "grpo.steps",
+             "grpo.queries", "memory.enabled")
+
+
+class Components(NamedTuple):
+    sft_optim: ts.OptimConfig
+    grpo_optim: ts.OptimConfig
+    grpo_step: grpo_step.GRPOStepConfig
+    rollout: rollout.RolloutConfig
+    sampling: SamplingConfig  # rollouts; evaluation is the same, greedy
+    limits: system.Limits
+    memory: memory.MemoryConfig
+
+
+def build(c: ml_collections.ConfigDict) -> Components:
+    s, g = c.sft, c.grpo
+    rewards = rw.RewardConfig(w_format=g.w_format, w_efficiency=g.w_efficiency)
+    loss = grpo.GRPOConfig(eps_low=g.eps_low, eps_high=g.eps_high, beta=g.beta, kl=g.kl,
+                           aggregation=g.aggregation, max_len=c.limits.max_tokens_per_node)
+    return Components(
+        sft_optim=ts.OptimConfig(
+            learning_rate=s.learning_rate, schedule="cosine" if s.steps > s.warmup_steps
+            else "constant", warmup_steps=s.warmup_steps,
+            total_steps=max(s.steps, s.warmup_steps + 1), weight_decay=s.weight_decay,
+            clip_norm=s.clip_norm),
+        grpo_optim=ts.OptimConfig(learning_rate=g.learning_rate, schedule="constant",
+                                  warmup_steps=g.warmup_steps, clip_norm=g.clip_norm),
+        grpo_step=grpo_step.GRPOStepConfig(
+            loss=loss, inner_steps=g.inner_steps, topk=g.topk or None, select=g.select,
+            advantage="given" if g.mode == "trajectory" else g.advantage,
+            micro_batch=g.micro_batch or None),
+        rollout=rollout.RolloutConfig(g.mode, g.group_size, rewards),
+        sampling=SamplingConfig(c.limits.max_tokens_per_node, temperature=g.temperature,
+                                top_k=g.top_k, top_p=g.top_p),
+        limits=system.Limits(**c.limits),
+        memory=memory.config_from(c.memory, rewards.best_memory_reward))

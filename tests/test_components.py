@@ -1,0 +1,65 @@
+"""Every key of the run config reaches the component that uses it (or the loop itself)."""
+
+import dataclasses
+
+import pytest
+
+from joyagents_jax import components
+from joyagents_jax import config as config_lib
+
+# A valid value different from the default, for every key a component reads.
+CHANGED = {
+    "limits.max_nodes": 5, "limits.max_tokens_per_node": 40, "limits.max_observation_chars": 50,
+    "sft.learning_rate": 1e-3, "sft.warmup_steps": 3, "sft.weight_decay": 0.01,
+    "sft.clip_norm": 0.5,
+    "grpo.group_size": 6, "grpo.mode": "trajectory", "grpo.topk": 2, "grpo.select": "agents",
+    "grpo.micro_batch": 4, "grpo.inner_steps": 3, "grpo.beta": 0.01, "grpo.eps_low": 0.1,
+    "grpo.eps_high": 0.3, "grpo.kl": "k1", "grpo.aggregation": "token_mean",
+    "grpo.advantage": "loo", "grpo.learning_rate": 1e-6, "grpo.warmup_steps": 4,
+    "grpo.clip_norm": 0.7, "grpo.temperature": 0.9, "grpo.top_p": 0.9, "grpo.top_k": 20,
+    "grpo.w_format": 0.2, "grpo.w_efficiency": 0.1,
+    "memory.capacity": 7, "memory.response_len": 5, "memory.request_len": 6,
+    "memory.tau_reuse": 0.99999, "memory.tau_hint": 0.999, "memory.hints": True, "memory.reuse": False,
+    "memory.reuse_min_reward": 0.5, "memory.tau_dup": 0.93, "memory.z": 1.5,
+    "memory.decay_steps": 9.0, "memory.alpha": 0.3, "memory.beta": 0.7, "memory.embed_batch": 3,
+}
+SECTIONS = ("limits", "sft", "grpo", "memory")
+
+
+def _set(c, key, value):
+    section, name = key.split(".")
+    c[section][name] = value
+
+
+def test_every_key_is_read_by_a_component_or_the_loop():
+    c = config_lib.get_config()
+    keys = {f"{s}.{k}" for s in SECTIONS for k in c[s]}
+    assert keys == set(CHANGED) | set(components.LOOP_KEYS)
+
+
+@pytest.mark.parametrize("key", sorted(CHANGED))
+def test_a_changed_key_changes_what_is_built(key):
+    c = config_lib.get_config()
+    default = components.build(c)
+    _set(c, key, CHANGED[key])
+    changed = components.build(c)
+    differ = [f for f in components.Components._fields
+              if getattr(default, f) != getattr(changed, f)]
+    assert differ, f"config.{key} reaches no component"
+
+
+def test_values_arrive_unchanged_where_names_match():
+    c = config_lib.get_config()
+    for key, value in CHANGED.items():
+        if key != "grpo.mode":  # trajectory mode also switches the advantage to "given"
+            _set(c, key, value)
+    parts = components.build(c)
+    assert dataclasses.asdict(parts.limits) == dict(c.limits)
+    assert (parts.memory.capacity, parts.memory.response_length, parts.memory.alpha,
+            parts.memory.reuse, parts.memory.embed_batch) == (7, 5, 0.3, False, 3)
+    assert (parts.grpo_step.topk, parts.grpo_step.select, parts.grpo_step.advantage,
+            parts.grpo_step.micro_batch, parts.grpo_step.loss.kl) == (2, "agents", "loo", 4, "k1")
+    assert (parts.sampling.temperature, parts.sampling.top_k, parts.sampling.max_new_tokens) == \
+        (0.9, 20, 40)
+    assert (parts.sft_optim.weight_decay, parts.grpo_optim.learning_rate) == (0.01, 1e-6)
+    assert parts.rollout.rewards.w_format == 0.2 and parts.rollout.group_size == 6
