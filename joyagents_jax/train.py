@@ -213,10 +213,9 @@ SFT warm start, then JoyAgents-R1 GRPO, with exact resume. --config is a get_con
 checkpoints, metrics.jsonl, tb/, plots/ and final_eval.json; rerunning it resumes."""
 
 
-def parse_config_flags(prog: str, argv: list[str], usage: str, *, extra=None):
-    """absl flags --config (a config file) and --workdir (plus `extra(flag_values)`): the parsed
-    FlagValues, or an exit status after printing usage (--help: 0) or one line naming the bad
-    argument (2)."""
+def parse_config_flags(prog: str, argv: list[str], usage: str):
+    """absl flags --config (a config file) and --workdir: the parsed FlagValues, or an exit
+    status after printing usage (--help: 0) or one line naming the bad argument (2)."""
     from absl import flags
     from ml_collections import config_flags
 
@@ -232,8 +231,6 @@ def parse_config_flags(prog: str, argv: list[str], usage: str, *, extra=None):
                                         lock_config=False)
         flags.DEFINE_string("workdir", "workdir/default", "Where checkpoints, logs, plots go.",
                             flag_values=values)
-        if extra is not None:
-            extra(values)
         values([prog] + list(argv))
         values.config.keys()  # loads the file and applies the overrides now
     except Exception as e:  # noqa: BLE001 - a bad file, arg or key: one line, no traceback
