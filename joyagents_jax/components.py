@@ -55,4 +55,13 @@ def build(c: ml_collections.ConfigDict) -> Components:
         sampling=SamplingConfig(c.limits.max_tokens_per_node, temperature=g.temperature,
                                 top_k=g.top_k, top_p=g.top_p),
         limits=system.Limits(**c.limits),
-        memory=memory.config_from(c.memory, rewards.best_memory_reward))
+        memory=_memory(c.memory, rewards.best_memory_reward))
+
+
+def _memory(m: ml_collections.ConfigDict, best_reward: float) -> memory.MemoryConfig:
+    """Every `memory` key but `enabled` (which decides whether there is a memory at all)."""
+    return memory.MemoryConfig(
+        capacity=m.capacity, response_length=m.response_len, request_length=m.request_len,
+        tau_reuse=m.tau_reuse, tau_hint=m.tau_hint, reuse_min_reward=m.reuse_min_reward,
+        tau_dup=m.tau_dup, z=m.z, best_reward=best_reward, alpha=m.alpha, beta=m.beta,
+        decay_steps=m.decay_steps, reuse=m.reuse, hints=m.hints, embed_batch=m.embed_batch)

@@ -484,22 +484,11 @@ class MemoryHook:
         return Candidates(key=keys[[unique[p] for p in prompts]],
                           response=response, length=length, request=request,
                           request_length=np.minimum(request_length, cfg.request_length),
-                          reward=np.nan_to_num(rewards, nan=0.0, posinf=0.0, neginf=0.0),
-                          valid=np.isfinite(rewards))
+                          **_finite_rewards(rewards))
 
     def agent_tables(self) -> dict[str, MemoryTable]:
         """agent -> its own table (sliced from its group's stack)."""
         return {a: _pick(self.tables[g], i) for a, (g, i) in self.agent_slots.items()}
-
-
-def config_from(m, best_reward: float) -> MemoryConfig:
-    """`MemoryConfig` from a run config's `memory` section (every key but `enabled`)."""
-    return MemoryConfig(capacity=m.capacity, response_length=m.response_len,
-                        request_length=m.request_len, tau_reuse=m.tau_reuse, tau_hint=m.tau_hint,
-                        reuse_min_reward=m.reuse_min_reward, tau_dup=m.tau_dup, z=m.z,
-                        best_reward=best_reward, alpha=m.alpha, beta=m.beta,
-                        decay_steps=m.decay_steps, reuse=m.reuse, hints=m.hints,
-                        embed_batch=m.embed_batch)
 
 
 def from_experiment(exp, state) -> MemoryHook:
@@ -517,8 +506,13 @@ def _hit_records(hits: Sequence[tuple[int, float]]) -> HitRecords:
     """A non-finite reward is no evidence against an entry: that hit is left out."""
     reward = np.array([r for _, r in hits], np.float32).reshape(-1)
     return HitRecords(slot=np.array([s for s, _ in hits], np.int32).reshape(-1),
-                      reward=np.nan_to_num(reward, nan=0.0, posinf=0.0, neginf=0.0),
-                      valid=np.isfinite(reward))
+                      **_finite_rewards(reward))
+
+
+def _finite_rewards(reward: np.ndarray) -> dict[str, np.ndarray]:
+    """reward [n] -> {reward, valid}: non-finite rewards zeroed and marked invalid."""
+    valid = np.isfinite(reward)
+    return {"reward": np.where(valid, reward, 0.0).astype(np.float32), "valid": valid}
 
 
 def _stack(items: Sequence[Any]) -> Any:
