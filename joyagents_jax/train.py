@@ -125,9 +125,9 @@ def _loop(exp, ckpt, guard, writer, start):
             raise TrainingStopped(
                 f"steps {step - skipped_in_a_row + 1}-{step} ({phase}) were all skipped: the "
                 f"loss, the gradients or the updated parameters were not finite, so no update "
-                f"was kept. Checkpoints hold only finite states (latest: step "
-                f"{ckpt.latest_step()}). Lower config.{phase}.learning_rate (or raise "
-                f"config.max_skipped_steps), then rerun to resume.")
+                f"was kept. Checkpoints hold only finite states ({_latest(ckpt)}). Lower "
+                f"config.{phase}.learning_rate (or raise config.max_skipped_steps), then rerun "
+                f"to resume.")
         stop = guard.stop_agreed()
         if _every(step, config.checkpoint.every) or boundary or stop:
             meta = {"step": step, "phase": phase, **({BEST: m[BEST]} if BEST in m else {})}
@@ -137,6 +137,11 @@ def _loop(exp, ckpt, guard, writer, start):
             break
     progress.close()
     return state, memory, step, last_eval
+
+
+def _latest(ckpt: checkpoint.Checkpointer) -> str:
+    step = ckpt.latest_step()
+    return "none saved yet" if step is None else f"latest: step {step}"
 
 
 def _every(step: int, every: int) -> bool:
