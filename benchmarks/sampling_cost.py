@@ -18,8 +18,8 @@ import time
 
 import numpy as np
 
-from joyagents_jax import rollout
 from joyagents_jax.agents import protocol, system
+from joyagents_jax.rl import rollout
 
 QUERIES, G = 8, 4
 TOKENS_PER_NODE = 24  # scripted output length

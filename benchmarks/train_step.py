@@ -27,9 +27,10 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import hardware  # noqa: E402
 
-from joyagents_jax import grpo, grpo_step, sft  # noqa: E402
+from joyagents_jax import sft  # noqa: E402
 from joyagents_jax import train_state as ts  # noqa: E402
 from joyagents_jax.models import presets, qwen2  # noqa: E402
+from joyagents_jax.rl import grpo, grpo_step  # noqa: E402
 
 
 def matmul_params(cfg: qwen2.Qwen2Config) -> int:

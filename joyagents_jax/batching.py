@@ -12,7 +12,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from joyagents_jax import grpo_step, rollout, sft
+from joyagents_jax import sft
+from joyagents_jax.rl import grpo_step, rollout
 from joyagents_jax.sampling import bucket
 
 AgentSlots = Mapping[str, tuple[str, int]]  # agent -> (group name, row in the group)

@@ -13,10 +13,10 @@ from typing import NamedTuple
 
 import ml_collections
 
-from joyagents_jax import grpo, grpo_step, memory, rollout
-from joyagents_jax import rewards as rw
 from joyagents_jax import train_state as ts
 from joyagents_jax.agents import system
+from joyagents_jax.rl import grpo, grpo_step, memory, rollout
+from joyagents_jax.rl import rewards as rw
 from joyagents_jax.sampling import SamplingConfig
 
 # Read by the train loop itself (how many steps, which batch), not by a component.

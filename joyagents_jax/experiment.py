@@ -18,12 +18,13 @@ import jax
 import ml_collections
 import numpy as np
 
-from joyagents_jax import batching, grpo_step, rollout, sft, sharding
+from joyagents_jax import batching, sft, sharding
 from joyagents_jax import components, config_checks
 from joyagents_jax import train_state as ts
 from joyagents_jax.agents import protocol, system
 from joyagents_jax.data import assistant_suite as suite
 from joyagents_jax.models import hf_io, presets, qwen2
+from joyagents_jax.rl import grpo_step, rollout
 from joyagents_jax.sampling import Sampler
 from joyagents_jax.tokenizers import load_tokenizer
 

@@ -16,8 +16,8 @@ import sys
 import jax
 
 from joyagents_jax import evaluate, tokenizers
-from joyagents_jax import memory as memory_lib
 from joyagents_jax.models import hf_io
+from joyagents_jax.rl import memory as memory_lib
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
                     "special_tokens_map.json", "added_tokens.json")

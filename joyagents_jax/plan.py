@@ -23,9 +23,10 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from joyagents_jax import distributed, grpo, grpo_step, sharding
+from joyagents_jax import distributed, sharding
 from joyagents_jax import train_state as ts
 from joyagents_jax.models import hf_io, presets, qwen2
+from joyagents_jax.rl import grpo, grpo_step
 
 # Named systems: groups of (preset, agents). Agents that share an architecture form one
 # stacked group: the paper's master + qa/efc/gfc/math sub-agents.

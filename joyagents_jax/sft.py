@@ -14,9 +14,9 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from joyagents_jax import grpo
 from joyagents_jax import train_state as ts
 from joyagents_jax.models import qwen2
+from joyagents_jax.rl import grpo
 
 
 @flax.struct.dataclass

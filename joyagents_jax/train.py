@@ -38,7 +38,7 @@ def make_memory(exp: experiment.Experiment, state):
     """The memory hook for a GRPO phase (None when the config turns the memory off)."""
     if not exp.config.memory.enabled:
         return None
-    from joyagents_jax import memory as memory_lib
+    from joyagents_jax.rl import memory as memory_lib
 
     return memory_lib.from_experiment(exp, state)
 

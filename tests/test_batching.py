@@ -4,9 +4,10 @@ import jax
 import numpy as np
 import pytest
 
-from joyagents_jax import batching, grpo_step, rollout
+from joyagents_jax import batching
 from joyagents_jax import train_state as ts
 from joyagents_jax.models import qwen2
+from joyagents_jax.rl import grpo_step, rollout
 
 SLOTS = {"master": ("m", 0), "qa": ("subs", 0), "math": ("subs", 1)}
 SIZES = {"m": 1, "subs": 2}

@@ -8,7 +8,7 @@ import pytest
 from joyagents_jax import sft
 from joyagents_jax import train_state as ts
 from joyagents_jax.models import qwen2
-from tests.test_grpo_step import _random_params
+from tests.rl.test_grpo_step import _random_params
 
 SUB = qwen2.Qwen2Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=1,
                         num_heads=4, num_kv_heads=2)

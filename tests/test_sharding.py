@@ -16,8 +16,9 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from joyagents_jax import grpo, sharding
+from joyagents_jax import sharding
 from joyagents_jax.models import hf_io, qwen2
+from joyagents_jax.rl import grpo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Small, but every split dimension divides 8: heads 8, kv heads 2, hidden 64, vocab 256.

@@ -17,9 +17,9 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from joyagents_jax import rewards
 from joyagents_jax.agents import protocol
 from joyagents_jax.agents.protocol import Answer, Call, ParseError, ToolCall
+from joyagents_jax.rl import rewards
 
 
 @dataclasses.dataclass(frozen=True)

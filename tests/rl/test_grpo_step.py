@@ -1,4 +1,4 @@
-"""Tests for joyagents_jax.grpo_step: selection over the batch, the masked all-agents step, and
+"""Tests for joyagents_jax.rl.grpo_step: selection over the batch, the masked all-agents step, and
 learning on a toy bandit."""
 
 import functools
@@ -12,10 +12,12 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from joyagents_jax import grpo, sharding
-from joyagents_jax import grpo_step as gs
+from joyagents_jax import sharding
 from joyagents_jax import train_state as ts
 from joyagents_jax.models import qwen2
+from joyagents_jax.rl import grpo
+from joyagents_jax.rl import grpo_step as gs
+from tests.test_sharding import ROOT
 
 SUB = qwen2.Qwen2Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=1,
                         num_heads=4, num_kv_heads=2)
@@ -354,13 +356,12 @@ def _flat_step(state: ts.TrainState, metrics: dict) -> dict[str, np.ndarray]:
 
 def test_sharded_step_matches_unsharded(step, tmp_path):
     out = str(tmp_path / "sharded.npz")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     # Backend optimization level 0 halves the compile; it changes code generation, not how
     # the program is partitioned, which is what this test checks.
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS":
            "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"}
-    code = f"from tests.test_grpo_step import sharded_step; sharded_step({out!r})"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,
+    code = f"from tests.rl.test_grpo_step import sharded_step; sharded_step({out!r})"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-6000:]
     got = dict(np.load(out))

@@ -1,4 +1,4 @@
-"""Tests for joyagents_jax.grpo against plain-NumPy loop references."""
+"""Tests for joyagents_jax.rl.grpo against plain-NumPy loop references."""
 
 import chex
 import jax
@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from joyagents_jax import grpo
+from joyagents_jax.rl import grpo
 
 AGGREGATIONS = ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 

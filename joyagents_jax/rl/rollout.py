@@ -25,9 +25,9 @@ from typing import Literal, NamedTuple, Protocol
 
 import numpy as np
 
-from joyagents_jax import rewards as rw
 from joyagents_jax.agents import protocol
 from joyagents_jax.agents.system import AgentSystem, Episode, Request
+from joyagents_jax.rl import rewards as rw
 
 Mode = Literal["nodewise", "trajectory", "full_tree"]
 

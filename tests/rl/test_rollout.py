@@ -1,17 +1,16 @@
 """Rollout modes with scripted policies (structure, counts, rewards) and with the real sampler."""
 
 import collections
-import math
 import types
 
 import jax
 import numpy as np
 import pytest
 
-from joyagents_jax import rollout
 from joyagents_jax.agents import system
 from joyagents_jax.data import assistant_suite as suite
 from joyagents_jax.models import qwen2
+from joyagents_jax.rl import rollout
 from joyagents_jax.sampling import Sampler, SamplingConfig
 from joyagents_jax.tokenizers import ByteTokenizer
 
@@ -153,7 +152,7 @@ def test_trajectory_nodes_carry_their_episodes_advantage(examples, sys_):
 def test_sampler_calls_bounded_by_waves_not_queries(examples, sys_):
     exs = list(examples.values()) * 4  # 20 queries of every domain
     policy = ScriptedPolicy(gold_script(exs))
-    result = rollout.Rollout(sys_, TOK, policy, rollout.RolloutConfig("nodewise", 2)).run(
+    rollout.Rollout(sys_, TOK, policy, rollout.RolloutConfig("nodewise", 2)).run(
         [_task(e) for e in exs])
     max_nodes = max(e.min_llm_calls for e in exs)
     total_nodes = sum(e.min_llm_calls for e in exs)

@@ -33,11 +33,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from joyagents_jax import rewards as rw
-from joyagents_jax import rollout
 from joyagents_jax.agents import protocol
 from joyagents_jax.agents.system import AgentSystem, Request
 from joyagents_jax.models import qwen2
+from joyagents_jax.rl import rewards as rw
+from joyagents_jax.rl import rollout
 
 
 

@@ -12,13 +12,14 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from joyagents_jax import components
 from joyagents_jax import config as config_lib
-from joyagents_jax import components, memory, rollout
 from joyagents_jax.agents import protocol, system
 from joyagents_jax.data import assistant_suite as suite
 from joyagents_jax.models import qwen2
+from joyagents_jax.rl import memory, rollout
 from joyagents_jax.tokenizers import ByteTokenizer
-from tests.test_rollout import ScriptedPolicy, gold_script
+from tests.rl.test_rollout import ScriptedPolicy, gold_script
 
 TOK = ByteTokenizer()
 D = 8

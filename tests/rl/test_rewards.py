@@ -6,7 +6,7 @@ import random
 import numpy as np
 import pytest
 
-from joyagents_jax.rewards import (
+from joyagents_jax.rl.rewards import (
     RewardConfig, check_answer, extract_number, normalize_text, reward_parts)
 
 # ------------------------------------------------------------------------------------------------

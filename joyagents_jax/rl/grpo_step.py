@@ -35,9 +35,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from joyagents_jax import grpo
 from joyagents_jax import train_state as ts
 from joyagents_jax.models import qwen2
+from joyagents_jax.rl import grpo
 from joyagents_jax.sft import next_token_logits
 
 

@@ -1,0 +1,1 @@
+"""Reinforcement learning: rollouts, rewards, the GRPO loss and step, the adaptive memory."""
