@@ -69,15 +69,15 @@ def sft_checkpoint(root: str, seed: int, data_dir: str) -> str:
     return workdir
 
 
-def evaluate(exp: experiment.Experiment, state, memory) -> dict[str, float]:
+def evaluate(exp: experiment.Experiment, run) -> dict[str, float]:
     """Greedy evaluation on every split; with a memory also without it (prefix eval_nomem/),
     which separates what the GRPO updates did from what the memory does."""
     out = {}
     for split, n in SPLITS.items():
-        out.update(exp.evaluate(state, split, n, memory))
-        if memory is not None:
+        out.update(exp.evaluate(run, split, n))
+        if run.memory:
             out.update({k.replace("eval/", "eval_nomem/", 1): v
-                        for k, v in exp.evaluate(state, split, n).items()})
+                        for k, v in exp.evaluate(run, split, n, use_memory=False).items()})
     return out
 
 
@@ -90,26 +90,23 @@ def run_variant(root: str, seed: int, name: str, tokens: int, max_steps: int,
     c = config_for(seed, {**VARIANTS[name][1], **(extra or {}), "data_dir": data_dir})
     exp = experiment.Experiment(c, os.path.join(root, f"{name}_s{seed}"))
     with checkpoint.Checkpointer(os.path.join(sft_dir, "checkpoints"), keep=10) as ckpt:
-        state, _, step, phase = train.restore(exp, ckpt, exp.init_state())
-    if (step, phase) != (c.sft.steps, "sft"):
-        raise RuntimeError(f"{sft_dir} holds step {step} ({phase}), not the end of SFT.")
+        run = train.restore(exp, ckpt)
+    if (int(run.step), run.phase) != (c.sft.steps, "sft"):
+        raise RuntimeError(f"{sft_dir} holds step {int(run.step)} ({run.phase}), not the end "
+                           f"of SFT.")
     start, curve, generated = time.time(), [], 0
-    memory = None
     if name != "sft_only":
-        state = exp.start_grpo(state)
-        memory = train.make_memory(exp, state)
+        run = exp.start_grpo(run)
         for k in range(max_steps):
             if generated >= tokens:
                 break
-            state, m, result = exp.grpo_step(state, k, memory)
-            if memory is not None:
-                memory.update_from_rollout(result, k)
+            run, m = exp.grpo_iteration(run)
             generated += int(m["rollout/generated_tokens"])
             curve.append({"step": k + 1, "tokens": generated, "accuracy": m["grpo/accuracy"],
                           "reward": m["grpo/reward"], "kept_groups": m["grpo/kept_groups"],
                           "updated_agents": m["grpo/updated_agents"]})
     return {"seed": seed, "variant": name, "steps": len(curve), "generated_tokens": generated,
-            "seconds": time.time() - start, "curve": curve, "eval": evaluate(exp, state, memory)}
+            "seconds": time.time() - start, "curve": curve, "eval": evaluate(exp, run)}
 
 
 def report(root: str, out_md: str, out_png: str) -> str:

@@ -64,8 +64,11 @@ def get_config() -> ml_collections.ConfigDict:
         tau_hint=0.9995, hints=False, reuse=True, reuse_min_reward=1.0, tau_dup=0.99995, z=1.96,
         decay_steps=50.0, alpha=1.0, beta=1.0, embed_batch=32))
 
-    # Held-out evaluation at the end of SFT and of GRPO, and every `every` steps (0: phase ends only).
-    c.eval = ml_collections.ConfigDict(dict(every=1000, examples=200, splits=("test", "test_novel")))
+    # Held-out evaluation at the end of SFT and of GRPO, and every `sft_every` SFT steps and
+    # `grpo_every` GRPO steps (counted within the phase; 0: phase ends only). During GRPO it also
+    # evaluates the policies without the memory (eval_no_memory/...).
+    c.eval = ml_collections.ConfigDict(dict(sft_every=0, grpo_every=10, examples=200,
+                                            splits=("test", "test_novel")))
     # every=0: only at the end of each phase and on preemption.
     c.checkpoint = ml_collections.ConfigDict(dict(every=20, keep=3))
     # A workdir whose checkpoints are all unreadable is refused unless restart=True (which sets
@@ -95,6 +98,6 @@ def real_checkpoint_config(groups: dict[str, tuple[tuple[str, ...], str]]
     c.grpo.update(steps=300, queries=32, group_size=8, learning_rate=1e-6, warmup_steps=10,
                   topk=16)
     c.memory.update(capacity=4096, response_len=256, request_len=256)
-    c.eval.update(every=50, examples=500)
+    c.eval.update(sft_every=50, grpo_every=50, examples=500)
     c.checkpoint.update(every=25, keep=3)
     return c

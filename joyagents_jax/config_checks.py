@@ -258,8 +258,10 @@ def _memory(c) -> Iterator[str]:
 def _eval_and_checkpoint(c) -> Iterator[str]:
     from joyagents_jax.data import assistant_suite
 
-    yield from _all(_number(c, "eval.every", low=0, integer=True,
-                            why="0 evaluates only at the end of SFT and of GRPO"),
+    yield from _all(_number(c, "eval.sft_every", low=0, integer=True,
+                            why="0 evaluates only at the end of SFT"),
+                    _number(c, "eval.grpo_every", low=0, integer=True,
+                            why="0 evaluates only at the end of GRPO"),
                     _number(c, "eval.examples", low=0, integer=True, why="0 = the whole split"),
                     _number(c, "checkpoint.every", low=0, integer=True,
                             why="0 saves only at phase ends and on preemption"),

@@ -16,10 +16,12 @@ import ml_collections
 
 from joyagents_jax import checkpoint, experiment, train
 from joyagents_jax import config as config_lib
+from joyagents_jax.run_state import RunState
 
 
-def load_run(workdir: str, step: int | None = None):
-    """(experiment, state, memory, step) restored from a workdir's config and checkpoint."""
+def load_run(workdir: str, step: int | None = None) -> tuple[experiment.Experiment, RunState]:
+    """(experiment, run state) restored from a workdir's config and checkpoint (default: the
+    latest step)."""
     path = os.path.join(workdir, "config.json")
     if not os.path.isfile(path):
         raise ValueError(f"{path} not found: is {workdir} the --workdir of a `joyagents train` run?")
@@ -29,10 +31,9 @@ def load_run(workdir: str, step: int | None = None):
     ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"))
     if ckpt.latest_step() is None:
         raise ValueError(f"No checkpoint in {workdir}/checkpoints: train first.")
-    fresh = exp.init_state()
-    tree, meta = ckpt.restore(lambda m: train.abstract_tree(exp, fresh, m["phase"]), step)
-    state, memory = train.from_tree(exp, tree, meta["phase"])
-    return exp, state, memory, int(meta["step"])
+    fresh = exp.init_run()
+    run, _ = ckpt.restore(lambda m: train.abstract_run(exp, fresh, m["phase"]), step)
+    return exp, run
 
 
 def _merged(base: ml_collections.ConfigDict, saved: dict) -> ml_collections.ConfigDict:
@@ -70,17 +71,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--examples", type=int, default=0, help="per split (0: all)")
     args = parser.parse_args(argv)
     try:
-        exp, state, memory, step = load_run(args.workdir, args.step)
+        exp, run = load_run(args.workdir, args.step)
     except ValueError as e:
         print(f"joyagents eval: {e}", file=sys.stderr)
         return 2
     results = {}
     for split in ("test", "test_novel"):
-        for name, mem in (("memory", memory), ("no memory", None)):
-            if name == "memory" and memory is None:
+        for name, use_memory in (("memory", True), ("no memory", False)):
+            if name == "memory" and not run.memory:
                 continue
-            results[f"{split}, {name}"] = exp.evaluate(state, split, args.examples or None, mem)
-    out = os.path.join(args.workdir, f"eval_{step}")
+            results[f"{split}, {name}"] = exp.evaluate(run, split, args.examples or None,
+                                                       use_memory)
+    out = os.path.join(args.workdir, f"eval_{int(run.step)}")
     with open(out + ".json", "w") as f:
         json.dump(results, f, indent=2)
     md = table(results)

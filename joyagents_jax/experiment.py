@@ -1,9 +1,9 @@
 """Everything a run is built from a config: tokenizer, suite, agent system, state, steps.
 
-`Experiment` owns no mutable training state: `sft_step`, `grpo_step` and `evaluate` take the
-`TrainState` (and memory) and return new ones, so the train loop, checkpoints and resume see
-every piece of state explicitly. Randomness derives from (seed, step), so a resumed run draws
-exactly what an uninterrupted one draws.
+`Experiment` owns no mutable training state: `sft_iteration` and `grpo_iteration` take a
+`RunState` and return the next one, and `evaluate` only reads it, so the train loop, checkpoints
+and resume see every piece of state explicitly. Randomness derives from (seed, step), so a
+resumed run draws exactly what an uninterrupted one draws.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from joyagents_jax import train_state as ts
 from joyagents_jax.agents import protocol, system
 from joyagents_jax.data import assistant_suite as suite
 from joyagents_jax.models import hf_io, presets, qwen2
-from joyagents_jax.rl import grpo_step, rollout
+from joyagents_jax.rl import grpo_step, memory_hook, rollout
+from joyagents_jax.run_state import RunState
 from joyagents_jax.sampling import Sampler
 from joyagents_jax.tokenizers import load_tokenizer
 
@@ -89,6 +90,9 @@ class Experiment:
         self._sft_step = sft.make_sft_step()
         self._shared_sft_step = sft.make_sft_step(shared=True)
         self._grpo_step = grpo_step.make_grpo_step(self.parts.grpo_step)
+        self.memory = (memory_hook.Context(self.system, self.tokenizer, self.slots,
+                                           self.parts.memory)
+                       if config.memory.enabled else None)
 
     # -- construction ------------------------------------------------------------------------
 
@@ -99,7 +103,11 @@ class Experiment:
             return hf_io.config_from_hf(spec.checkpoint, **kw)
         return presets.get_preset(spec.model, **kw)
 
-    def init_state(self) -> ts.TrainState:
+    def init_run(self) -> RunState:
+        """Step 0: random or checkpoint-loaded agents, SFT optimizer, no memory yet."""
+        return RunState.start(self._init_train())
+
+    def _init_train(self) -> ts.TrainState:
         """Random or checkpoint-loaded agents, SFT optimizer, reference = initial params."""
         key = jax.random.key(self.config.seed)
         groups = {}
@@ -117,11 +125,15 @@ class Experiment:
                                                  jax.random.fold_in(key, i))
         return self._place(ts.create(groups))
 
-    def start_grpo(self, state: ts.TrainState) -> ts.TrainState:
-        """After SFT: freeze the reference policy and switch to the GRPO optimizer."""
+    def start_grpo(self, run: RunState) -> RunState:
+        """After SFT: freeze the reference policy, switch to the GRPO optimizer, and start
+        empty memory tables (none when the config turns the memory off)."""
         groups = {n: ts.init_group(g.model, self.parts.grpo_optim, g.params)
-                  for n, g in state.groups.items()}
-        return self._place(state.replace(groups=groups))
+                  for n, g in run.train.groups.items()}
+        train = self._place(run.train.replace(groups=groups))
+        tables = ({} if self.memory is None else memory_hook.init_tables(
+            self.parts.memory, memory_hook.group_models(train)))
+        return run.replace(train=train, memory=tables, phase="grpo")
 
     def _place(self, state: ts.TrainState) -> ts.TrainState:
         """The state in its partition-rule shardings on the mesh (as is without a mesh)."""
@@ -152,7 +164,9 @@ class Experiment:
 
     # -- steps -------------------------------------------------------------------------------
 
-    def sft_step(self, state: ts.TrainState, step: int) -> tuple[ts.TrainState, dict]:
+    def sft_iteration(self, run: RunState) -> tuple[RunState, dict[str, float]]:
+        """One SFT step on `sft.batch_per_agent` demonstrations of every agent."""
+        step = int(run.step)
         rng = np.random.default_rng([self.config.seed, step])
         batch = []
         for agent in self.config.agents:
@@ -162,72 +176,95 @@ class Experiment:
         arrays = batching.sft_batch(batch, self.slots, self.group_sizes, self.config.max_len,
                                     self.min_rows)  # demonstrations vary little in length
         step_fn = self._shared_sft_step if step < self.config.sft.shared_steps else self._sft_step
-        state, m = step_fn(state, self._place_batch(arrays))
+        train, m = step_fn(run.train, self._place_batch(arrays))
         metrics = self._per_agent(m["agents"], "sft")
         metrics["sft/loss"] = float(np.mean([metrics[f"sft/loss/{a}"] for a in self.config.agents]))
         metrics["sft/skipped"] = float(m["skipped"])
-        return state, metrics
+        return run.next(train), metrics
 
-    def train_tasks(self, step: int) -> list[rollout.Task]:
-        """The step's queries: a seeded permutation of train per epoch, read in order."""
+    def train_tasks(self, k: int) -> list[rollout.Task]:
+        """GRPO step k's queries: a seeded permutation of train per epoch, read in order."""
         source, q = self.sources["train"], self.config.grpo.queries
         out = []
-        for k in range(step * q, (step + 1) * q):
-            epoch, pos = divmod(k, len(source))
+        for i in range(k * q, (k + 1) * q):
+            epoch, pos = divmod(i, len(source))
             order = np.random.default_rng([self.config.seed, 7, epoch]).permutation(len(source))
             out.append(task_of(suite.decode(source[int(order[pos])])))
         return out
 
-    def policy(self, params: dict, key: jax.Array, greedy: bool = False) -> rollout.SamplerPolicy:
+    def policy(self, train: ts.TrainState, key: jax.Array, greedy: bool = False
+               ) -> rollout.SamplerPolicy:
         scfg = dataclasses.replace(self.parts.sampling, greedy=greedy)
         policy = rollout.SamplerPolicy(self.samplers, self.slots, scfg, self.tokenizer, key)
-        policy.params = params
+        policy.params = {g: grp.params for g, grp in train.groups.items()}
         return policy
 
-    def grpo_step(self, state: ts.TrainState, step: int, memory=None
-                  ) -> tuple[ts.TrainState, dict, rollout.RolloutResult]:
-        """Rollout with the current policies -> one GRPO update of every selected agent."""
-        start = time.perf_counter()
-        if memory is not None:
-            memory.set_state(state)
-        key = jax.random.fold_in(jax.random.key(self.config.seed), 2_000_003 + step)
-        policy = self.policy({g: grp.params for g, grp in state.groups.items()}, key)
-        tasks = self.train_tasks(step)
-        result = rollout.Rollout(self.system, self.tokenizer, policy, self.parts.rollout,
-                                 memory).run(tasks)
-        rollout_seconds = time.perf_counter() - start
-        fits = [s for s in result.samples
-                if len(s.prompt_ids) + len(s.output_ids) <= self.config.max_len]
-        samples = [s for s in fits if math.isfinite(s.reward)]  # a bad reward trains nothing
-        trained = batching.informative(samples) if self.config.grpo.select == "groups" else samples
-        metrics = {f"grpo/{k}": 0.0 for k in ("kept_groups", "mixed_groups", "updated_agents",
-                                              "skipped")}
-        metrics["time/update_seconds"] = 0.0
+    def memory_view(self, run: RunState) -> memory_hook.MemoryView | None:
+        """The run's memory for a rollout, read-only (None before GRPO or when it is off)."""
+        if self.memory is None or not run.memory:
+            return None
+        return memory_hook.MemoryView(self.memory, run.memory,
+                                      memory_hook.group_models(run.train))
+
+    def grpo_iteration(self, run: RunState) -> tuple[RunState, dict[str, float]]:
+        """One JoyAgents-R1 iteration over the step's queries, as the method reads:
+
+        1. sample each query's initial trajectory and branch its nodes (node-wise Monte Carlo;
+           `grpo.mode` picks the trajectory or full-tree baselines), the memory answering the
+           nodes it holds; score every episode with R = R_A + R_F - R_E;
+        2. build the batch from the node groups that have a reward spread;
+        3. the marginal-benefit update: each agent's top-K node groups by reward variance, one
+           clipped GRPO step of every selected agent;
+        4. the memory update, fed by the same rollout's rewards.
+        """
+        start, k = time.perf_counter(), int(run.step) - self.config.sft.steps
+        key = jax.random.fold_in(jax.random.key(self.config.seed), 2_000_003 + k)
+        result = rollout.Rollout(self.system, self.tokenizer, self.policy(run.train, key),
+                                 self.parts.rollout, self.memory_view(run)
+                                 ).run(self.train_tasks(k))
+        metrics = self._rollout_metrics(result, time.perf_counter() - start)
+        trained = self._trainable(result.samples, metrics)
+        train = run.train
         if trained:  # else no node group has a reward spread: nothing to learn, no step
-            batch = batching.grpo_batch(trained, self.slots, self.group_sizes, self.offsets,
-                                        self.config.max_len, self.min_rows,
-                                        self.config.pad_to_max_len)
-            update_start = time.perf_counter()
-            state, m = jax.block_until_ready(self._grpo_step(state, self._place_batch(batch)))
-            metrics["time/update_seconds"] = time.perf_counter() - update_start
-            if memory is not None:
-                memory.set_state(state)
-            metrics.update(self._per_agent({g: {k: v for k, v in agent_m.items()
-                                                if k != "mean_reward"}
-                                            for g, agent_m in m["agents"].items()}, "grpo"))
-            metrics.update({f"grpo/{k}": float(m[k]) for k in ("kept_groups", "mixed_groups",
-                                                                "updated_agents", "skipped")})
-        for agent in self.config.agents:  # over all rollout samples, not only the trained ones
-            rewards = [s.reward for s in samples if s.agent == agent]
-            metrics[f"grpo/reward/{agent}"] = float(np.mean(rewards)) if rewards else 0.0
-        metrics["grpo/trained_samples"] = len(trained)
-        metrics.update(self._rollout_metrics(result, rollout_seconds))
-        metrics["grpo/dropped_too_long"] = len(result.samples) - len(fits)
-        metrics["grpo/nonfinite_rewards"] = len(fits) - len(samples)
-        metrics["grpo/accuracy"] = float(np.mean([r.r_answer for r in result.rewards]))
-        metrics["grpo/reward"] = float(np.mean([r.total for r in result.rewards]))
+            train = self._update(train, trained, metrics)
+        tables = run.memory
+        if tables:
+            memory_start = time.perf_counter()
+            tables, m = memory_hook.update(self.memory, tables, memory_hook.group_models(train),
+                                           result, int(run.step))
+            metrics.update({f"memory/{name}": v for name, v in m.items()})
+            metrics["time/memory_update_seconds"] = time.perf_counter() - memory_start
         metrics["time/step_seconds"] = time.perf_counter() - start
-        return state, metrics, result
+        return run.next(train, tables), metrics
+
+    def _trainable(self, samples: list[rollout.Sample], metrics: dict) -> list[rollout.Sample]:
+        """The samples a GRPO step can learn from: fitting in max_len, a finite reward, and
+        (select="groups") in a node group with a reward spread. Logs the rest."""
+        fits = [s for s in samples if len(s.prompt_ids) + len(s.output_ids) <= self.config.max_len]
+        finite = [s for s in fits if math.isfinite(s.reward)]  # a bad reward trains nothing
+        trained = batching.informative(finite) if self.config.grpo.select == "groups" else finite
+        for agent in self.config.agents:  # over all rollout samples, not only the trained ones
+            rewards = [s.reward for s in finite if s.agent == agent]
+            metrics[f"grpo/reward/{agent}"] = float(np.mean(rewards)) if rewards else 0.0
+        metrics.update({"grpo/trained_samples": len(trained),
+                        "grpo/dropped_too_long": len(samples) - len(fits),
+                        "grpo/nonfinite_rewards": len(fits) - len(finite)})
+        return trained
+
+    def _update(self, train: ts.TrainState, samples: list[rollout.Sample], metrics: dict
+                ) -> ts.TrainState:
+        """The jitted all-agents GRPO step on `samples`; logs its per-agent metrics."""
+        batch = batching.grpo_batch(samples, self.slots, self.group_sizes, self.offsets,
+                                    self.config.max_len, self.min_rows, self.config.pad_to_max_len)
+        start = time.perf_counter()
+        train, m = jax.block_until_ready(self._grpo_step(train, self._place_batch(batch)))
+        metrics["time/update_seconds"] = time.perf_counter() - start
+        metrics.update(self._per_agent({g: {k: v for k, v in agent_m.items()
+                                            if k != "mean_reward"}
+                                        for g, agent_m in m["agents"].items()}, "grpo"))
+        metrics.update({f"grpo/{k}": float(m[k]) for k in ("kept_groups", "mixed_groups",
+                                                            "updated_agents", "skipped")})
+        return train
 
     def _per_agent(self, agents: dict, prefix: str) -> dict[str, float]:
         """{group: {metric: [A]}} -> {prefix/metric/agent: float}; mean_reward -> reward."""
@@ -240,8 +277,15 @@ class Experiment:
         return out
 
     def _rollout_metrics(self, result: rollout.RolloutResult, seconds: float) -> dict[str, float]:
+        """The rollout's cost counters and training-traffic reward; update metrics at 0 until
+        a step runs."""
         c = result.counters
-        return {"rollout/sampler_calls": c.sampler_calls, "rollout/waves": c.waves,
+        return {**{f"grpo/{k}": 0.0 for k in ("kept_groups", "mixed_groups", "updated_agents",
+                                                "skipped")},
+                "time/update_seconds": 0.0,
+                "grpo/accuracy": float(np.mean([r.r_answer for r in result.rewards])),
+                "grpo/reward": float(np.mean([r.total for r in result.rewards])),
+                "rollout/sampler_calls": c.sampler_calls, "rollout/waves": c.waves,
                 "rollout/generated_tokens": c.generated_tokens, "rollout/llm_nodes": c.llm_nodes,
                 "rollout/alternatives": c.alternatives, "rollout/tool_calls": c.tool_calls,
                 "rollout/memory_hits": c.memory_hits, "rollout/memory_hints": c.memory_hints,
@@ -250,19 +294,17 @@ class Experiment:
 
     # -- evaluation --------------------------------------------------------------------------
 
-    def evaluate(self, state: ts.TrainState, split: str, examples: int | None = None,
-                 memory=None) -> dict[str, float]:
-        """Greedy episodes on a split: accuracy per domain, reward parts, cost per query."""
+    def evaluate(self, run: RunState, split: str, examples: int | None = None,
+                 use_memory: bool = True) -> dict[str, float]:
+        """Greedy episodes on a split, the run's memory read-only when `use_memory` (and the run
+        has one): accuracy per domain, reward parts, cost per query. Changes nothing."""
         source = self.sources[split]
         n = len(source) if not examples else min(examples, len(source))
         exs = [suite.decode(source[i]) for i in range(n)]
-        policy = self.policy({g: grp.params for g, grp in state.groups.items()},
-                             jax.random.key(0), greedy=True)
         start = time.perf_counter()
-        if memory is not None:  # read-only: evaluating never changes the run's memory
-            memory = memory.frozen()
-            memory.set_state(state)
-        engine = rollout.Rollout(self.system, self.tokenizer, policy, self.parts.rollout, memory)
+        engine = rollout.Rollout(self.system, self.tokenizer,
+                                 self.policy(run.train, jax.random.key(0), greedy=True),
+                                 self.parts.rollout, self.memory_view(run) if use_memory else None)
         result = engine.episodes([task_of(e) for e in exs])
         seconds = time.perf_counter() - start
         return summarize(exs, result, seconds, f"eval/{split}")

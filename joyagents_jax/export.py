@@ -25,11 +25,11 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "me
 
 def export(workdir: str, out: str, step: int | None = None, dtype: str | None = None) -> list[str]:
     """Exports the run's agents; returns the folders written."""
-    exp, state, memory, step = evaluate.load_run(workdir, step)
+    exp, run = evaluate.load_run(workdir, step)
     os.makedirs(out, exist_ok=True)
     written = []
     for agent, (group, index) in exp.slots.items():
-        g = state.groups[group]
+        g = run.train.groups[group]
         params = jax.tree.map(lambda x: x[index], g.params)
         folder = os.path.join(out, agent)
         stops = list(exp.tokenizer.stop_ids)
@@ -38,10 +38,11 @@ def export(workdir: str, out: str, step: int | None = None, dtype: str | None = 
                                              "pad_token_id": exp.tokenizer.pad_id})
         _tokenizer_files(exp.config.tokenizer, folder)
         written.append(folder)
-    if memory is not None:
-        memory_lib.dump(memory.agent_tables(), exp.tokenizer, os.path.join(out, "memory.jsonl"))
+    if run.memory:
+        memory_lib.dump(memory_lib.agent_tables(run.memory, exp.slots), exp.tokenizer,
+                        os.path.join(out, "memory.jsonl"))
     with open(os.path.join(out, "export.json"), "w") as f:
-        json.dump({"workdir": os.path.abspath(workdir), "step": step,
+        json.dump({"workdir": os.path.abspath(workdir), "step": int(run.step),
                    "agents": sorted(exp.slots)}, f, indent=2)
     return written
 

@@ -4,11 +4,13 @@
     joyagents train --config experiments/configs/qwen2p5_3b.py --workdir runs/3b \\
         --config.groups.all.checkpoint=/ckpt/Qwen2.5-3B-Instruct
 
-Each GRPO step: queries -> memory lookup -> rollout -> train step -> memory update -> metrics.
-Evaluation every `eval.every` steps; a checkpoint every `checkpoint.every` steps, at the end of
+The loop holds one `RunState` (train state, memory tables, step) and replaces it each step
+with `Experiment.sft_iteration` or `Experiment.grpo_iteration` (rollout -> GRPO update -> memory
+update). Evaluation every `eval.sft_every` / `eval.grpo_every` steps of each phase and at each
+phase's end; a checkpoint of the whole run state every `checkpoint.every` steps, at the end of
 each phase, and on SIGTERM (preemption). Restarting on the same workdir resumes from the latest
-readable checkpoint: params, optimizer, reference, memory, step and phase, and since every
-random draw derives from (seed, step), the resumed run continues exactly as an uninterrupted one.
+readable checkpoint, and since every random draw derives from (seed, step), the resumed run
+continues exactly as an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -18,29 +20,16 @@ import logging
 import os
 import re
 import sys
-import time
 
 import jax
 import ml_collections
 
 from joyagents_jax import checkpoint, config_checks, experiment, metrics, plots
 from joyagents_jax import workdir as workdir_lib
+from joyagents_jax.run_state import RunState
 
 log = logging.getLogger("joyagents")
 BEST = "eval/test/accuracy"  # the checkpoint kept as best, besides the last N
-
-
-def _checkpoint_tree(state, memory) -> dict:
-    return {"state": state, "memory": memory.tables if memory is not None else {}}
-
-
-def make_memory(exp: experiment.Experiment, state):
-    """The memory hook for a GRPO phase (None when the config turns the memory off)."""
-    if not exp.config.memory.enabled:
-        return None
-    from joyagents_jax.rl import memory as memory_lib
-
-    return memory_lib.from_experiment(exp, state)
 
 
 class TrainingStopped(RuntimeError):
@@ -63,21 +52,19 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
     exp = experiment.Experiment(config, workdir)
     total = config.sft.steps + config.grpo.steps
 
-    fresh = exp.init_state()
     with checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep,
                                  best_metric=BEST) as ckpt, \
             checkpoint.PreemptionGuard() as guard:
-        state, memory, step, phase = restore(exp, ckpt, fresh)
+        run = restore(exp, ckpt)
         if primary:  # only now: a rejected resume leaves the saved config as it was
             workdir_lib.write_config(config, workdir)
         with metrics.MetricsWriter(workdir, enabled=primary) as writer:
-            writer.truncate_after(step)
-            state, memory, step, last_eval = _loop(exp, ckpt, guard, writer,
-                                                   (state, memory, step, phase))
-    if step < total:  # preempted: the checkpoint is saved, a rerun resumes
+            writer.truncate_after(int(run.step))
+            run, last_eval = _loop(exp, ckpt, guard, writer, run)
+    if int(run.step) < total:  # preempted: the checkpoint is saved, a rerun resumes
         return last_eval
     if not last_eval:  # resumed at the last step (a stop between its save and the report)
-        last_eval = evaluate_all(exp, state, memory, policy_alone=True)
+        last_eval = evaluate_all(exp, run, policy_alone=True)
     if primary:
         plots.plot_workdir(workdir)
         tmp = os.path.join(workdir, workdir_lib.FINAL_EVAL + ".tmp")
@@ -88,34 +75,28 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
     return last_eval
 
 
-def _loop(exp, ckpt, guard, writer, start):
-    """The steps from `start` = (state, memory, step, phase) to the end or a preemption."""
+def _loop(exp, ckpt, guard, writer, run: RunState) -> tuple[RunState, dict[str, float]]:
+    """The steps from `run` to the end or a preemption; returns the last run state and the
+    last evaluation's metrics."""
     config = exp.config
-    state, memory, step, phase = start
     sft_steps, total = config.sft.steps, config.sft.steps + config.grpo.steps
-    progress = metrics.Progress(total, "train", initial=step, enabled=writer.enabled)
+    progress = metrics.Progress(total, "train", initial=int(run.step), enabled=writer.enabled)
     last_eval: dict[str, float] = {}
     skipped_in_a_row = 0
-    while step < total:
-        if phase == "sft" and step >= sft_steps:
-            state, phase = exp.start_grpo(state), "grpo"
-            memory = make_memory(exp, state)
-        if phase == "sft":
-            state, m = exp.sft_step(state, step)
+    while int(run.step) < total:
+        if run.phase == "sft" and int(run.step) >= sft_steps:
+            run = exp.start_grpo(run)
+        if run.phase == "sft":
+            run, m = exp.sft_iteration(run)
             postfix = {"loss": m["sft/loss"]}
         else:
-            state, m, result = exp.grpo_step(state, step - sft_steps, memory)
-            if memory is not None:
-                memory_start = time.perf_counter()
-                m.update({f"memory/{k}": v
-                          for k, v in memory.update_from_rollout(result, step).items()})
-                m["time/memory_update_seconds"] = time.perf_counter() - memory_start
+            run, m = exp.grpo_iteration(run)
             postfix = {"reward": m["grpo/reward"], "acc": m["grpo/accuracy"],
                        "tok/s": m["rollout/tokens_per_second"]}
-        step += 1
+        step, phase = int(run.step), run.phase
         boundary = step in (sft_steps, total)
-        if _every(step, config.eval.every) or boundary:
-            last_eval = evaluate_all(exp, state, memory, policy_alone=step == total)
+        if _evaluates(step, config) or boundary:
+            last_eval = evaluate_all(exp, run, policy_alone=phase == "grpo")
             m.update(last_eval)
         writer.write(step, m, phase=phase)
         progress.update(1, phase=phase, **postfix)
@@ -131,12 +112,12 @@ def _loop(exp, ckpt, guard, writer, start):
         stop = guard.stop_agreed()
         if _every(step, config.checkpoint.every) or boundary or stop:
             meta = {"step": step, "phase": phase, **({BEST: m[BEST]} if BEST in m else {})}
-            ckpt.save(step, _checkpoint_tree(state, memory), meta, force=True)
+            ckpt.save(step, run, meta, force=True)
         if stop:
             log.warning("Preempted at step %d: checkpoint saved, exiting.", step)
             break
     progress.close()
-    return state, memory, step, last_eval
+    return run, last_eval
 
 
 def _latest(ckpt: checkpoint.Checkpointer) -> str:
@@ -147,6 +128,14 @@ def _latest(ckpt: checkpoint.Checkpointer) -> str:
 def _every(step: int, every: int) -> bool:
     """True every `every` steps; never when every is 0 (phase ends only)."""
     return bool(every) and step % every == 0
+
+
+def _evaluates(step: int, config) -> bool:
+    """Periodic evaluation after `step` (counted from 1): every `eval.sft_every` SFT steps and
+    every `eval.grpo_every` GRPO steps, counted within the phase."""
+    if step <= config.sft.steps:
+        return _every(step, config.eval.sft_every)
+    return _every(step - config.sft.steps, config.eval.grpo_every)
 
 
 def report(final: dict[str, float], workdir: str, already: bool = False) -> None:
@@ -161,27 +150,28 @@ def report(final: dict[str, float], workdir: str, already: bool = False) -> None
                      "on):", *rows, f"Per domain: {os.path.join(workdir, 'final_eval.json')}"]))
 
 
-def evaluate_all(exp: experiment.Experiment, state, memory, *,
+def evaluate_all(exp: experiment.Experiment, run: RunState, *,
                  policy_alone: bool = False) -> dict[str, float]:
-    """eval/<split>/... for every split (with the memory when there is one); with
+    """eval/<split>/... for every split (with the memory when the run has one); with
     `policy_alone`, also eval_no_memory/<split>/...: what the trained policies do by themselves."""
     out = {}
     for split in exp.config.eval.splits:
-        out.update(exp.evaluate(state, split, exp.config.eval.examples, memory))
-        if policy_alone and memory is not None:
-            alone = exp.evaluate(state, split, exp.config.eval.examples, None)
+        out.update(exp.evaluate(run, split, exp.config.eval.examples))
+        if policy_alone and run.memory:
+            alone = exp.evaluate(run, split, exp.config.eval.examples, use_memory=False)
             out.update({f"eval_no_memory/{k.removeprefix('eval/')}": v for k, v in alone.items()})
     return out
 
 
-def restore(exp: experiment.Experiment, ckpt: checkpoint.Checkpointer, fresh):
-    """(state, memory, step, phase) from the latest readable checkpoint, or the fresh start.
+def restore(exp: experiment.Experiment, ckpt: checkpoint.Checkpointer) -> RunState:
+    """The run state of the latest readable checkpoint, or a fresh start.
 
     The checkpoint's phase decides the state's structure (SFT or GRPO optimizer, memory), so
     the abstract tree is built from each candidate checkpoint's own metadata.
     """
+    fresh = exp.init_run()
     try:
-        found = ckpt.restore_latest_valid(lambda meta: abstract_tree(exp, fresh, meta["phase"]))
+        found = ckpt.restore_latest_valid(lambda meta: abstract_run(exp, fresh, meta["phase"]))
     except checkpoint.CheckpointMismatchError:
         raise
     except RuntimeError as e:  # every step unreadable: never restart silently
@@ -189,25 +179,15 @@ def restore(exp: experiment.Experiment, ckpt: checkpoint.Checkpointer, fresh):
     if found is None and workdir_lib.corrupt_steps(exp.workdir):  # set aside when opened
         raise workdir_lib.unreadable(exp.workdir)
     if found is None:
-        return fresh, None, 0, "sft"
-    tree, meta = found
+        return fresh
+    run, meta = found
     log.info("Resumed from step %d (%s).", meta["step"], meta["phase"])
-    state, memory = from_tree(exp, tree, meta["phase"])
-    return state, memory, int(meta["step"]), meta["phase"]
+    return run
 
 
-def abstract_tree(exp: experiment.Experiment, fresh, phase: str) -> dict:
-    """A tree shaped like the checkpoint of `phase` (GRPO: new optimizer, memory tables)."""
-    state = exp.start_grpo(fresh) if phase == "grpo" else fresh
-    return _checkpoint_tree(state, make_memory(exp, state) if phase == "grpo" else None)
-
-
-def from_tree(exp: experiment.Experiment, tree: dict, phase: str):
-    """(state, memory hook) of a restored tree; the hook embeds with the restored reference."""
-    memory = make_memory(exp, tree["state"]) if phase == "grpo" else None
-    if memory is not None:
-        memory.tables = tree["memory"]
-    return tree["state"], memory
+def abstract_run(exp: experiment.Experiment, fresh: RunState, phase: str) -> RunState:
+    """A run state shaped like the checkpoint of `phase` (GRPO: new optimizer, memory tables)."""
+    return exp.start_grpo(fresh) if phase == "grpo" else fresh
 
 
 USAGE = """usage: joyagents train [--config FILE[:ARG]] [--config.KEY=VALUE ...] [--workdir DIR]

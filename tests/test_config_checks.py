@@ -40,7 +40,7 @@ def test_the_default_and_real_checkpoint_configs_are_valid(tmp_path):
     ({"grpo__top_p": 1.5}, "config.grpo.top_p=1.5: must be > 0 and <= 1"),
     ({"memory__capacity": 0}, "config.memory.capacity=0: must be >= 1"),
     ({"memory__tau_hint": 1.0}, "config.memory.tau_hint=1.0 > tau_reuse=0.99995"),
-    ({"eval__every": -1}, "config.eval.every=-1: must be >= 0"),
+    ({"eval__grpo_every": -1}, "config.eval.grpo_every=-1: must be >= 0"),
     ({"checkpoint__every": -2}, "config.checkpoint.every=-2: must be >= 0"),
     ({"checkpoint__keep": 0}, "config.checkpoint.keep=0: must be >= 1"),
     ({"grpo__topk": -1}, "config.grpo.topk=-1: must be >= 0"),
@@ -74,10 +74,10 @@ def test_each_mistake_is_one_line_naming_the_key(overrides, fragment):
 
 
 def test_every_mistake_is_reported_at_once():
-    c = _with(grpo__kl="k9", sft__learning_rate=math.nan, eval__every=-1, memory__capacity=0)
+    c = _with(grpo__kl="k9", sft__learning_rate=math.nan, eval__sft_every=-1, memory__capacity=0)
     message = str(pytest.raises(config_checks.ConfigError, config_checks.validate, c).value)
     assert message.startswith("4 config problem(s):")
-    for key in ("grpo.kl", "sft.learning_rate", "eval.every", "memory.capacity"):
+    for key in ("grpo.kl", "sft.learning_rate", "eval.sft_every", "memory.capacity"):
         assert f"config.{key}=" in message
 
 
@@ -96,7 +96,7 @@ def test_unknown_and_missing_keys_are_named():
 
 
 def test_zero_means_phase_ends_only_and_is_valid():
-    assert config_checks.problems(_with(eval__every=0, checkpoint__every=0, grpo__topk=0)) == []
+    assert config_checks.problems(_with(eval__sft_every=0, eval__grpo_every=0, checkpoint__every=0, grpo__topk=0)) == []
 
 
 def test_batch_must_split_over_the_mesh(monkeypatch):

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 # A few steps of every phase, tiny batches; memory on so its state is checkpointed too.
 OVERRIDES = {"sft.steps": 3, "sft.batch_per_agent": 2, "grpo.steps": 3, "grpo.queries": 2,
              "grpo.group_size": 2, "limits.max_tokens_per_node": 24, "eval.examples": 2,
-             "eval.every": 3, "checkpoint.every": 1, "sampler.min_prompt_bucket": 16,
+             "eval.grpo_every": 2, "checkpoint.every": 1, "sampler.min_prompt_bucket": 16,
              "sampler.min_batch_bucket": 1, "pad_to_max_len": False}
 TIMING = ("seconds", "tokens_per_second", "time/")  # wall-clock metrics differ between runs
 
@@ -65,11 +65,13 @@ def _rows(workdir):
 
 
 def _final_params(workdir):
-    """Step and every array of the restored state and memory tables (PRNG keys as data)."""
-    _, state, memory, step = evaluate.load_run(workdir)
+    """Step and every array of the restored run state, memory tables included (PRNG keys as
+    data)."""
+    _, run = evaluate.load_run(workdir)
     as_array = lambda x: jax.random.key_data(x) if jax.dtypes.issubdtype(
         x.dtype, jax.dtypes.prng_key) else x
-    return step, [np.asarray(as_array(x)) for x in jax.tree.leaves((state, memory.tables))]
+    assert run.memory  # the GRPO phase's tables are part of what is restored
+    return int(run.step), [np.asarray(as_array(x)) for x in jax.tree.leaves(run)]
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +149,7 @@ def test_corrupted_latest_checkpoint_falls_back(reference_run, tmp_path, caplog)
     with checkpoint.Checkpointer(os.path.join(workdir, "checkpoints")) as ckpt:
         fresh = evaluate.experiment.Experiment(_config(), workdir)
         tree, meta = ckpt.restore_latest_valid(
-            lambda m: train.abstract_tree(fresh, fresh.init_state(), m["phase"]))
+            lambda m: train.abstract_run(fresh, fresh.init_run(), m["phase"]))
     assert meta["step"] == 5 and "6" in caplog.text
 
 
@@ -169,7 +171,8 @@ def test_cli_train_eval_export_plot(reference_run, tmp_path):
     assert final == {k: v for k, v in rows[-1].items() if k.startswith("eval")}
     assert {"eval/test/accuracy", "eval/test_novel/accuracy", "eval_no_memory/test/accuracy",
             "eval_no_memory/test_novel/accuracy"} <= set(final)
-    assert not any(k.startswith("eval_no_memory/") for r in rows[:-1] for k in r)
+    assert [r["step"] for r in rows if "eval/test/accuracy" in r] == [3, 5, 6]
+    assert [r["step"] for r in rows if "eval_no_memory/test/accuracy" in r] == [5, 6]
 
     from joyagents_jax import cli
     assert cli.main(["eval", "--workdir", reference_run, "--examples", "2"]) == 0
@@ -178,7 +181,8 @@ def test_cli_train_eval_export_plot(reference_run, tmp_path):
                             "test_novel, no memory"}
     out = str(tmp_path / "export")
     assert cli.main(["export", "--workdir", reference_run, "--out", out]) == 0
-    exp, state, _, _ = evaluate.load_run(reference_run)
+    exp, run = evaluate.load_run(reference_run)
+    state = run.train
     tokens = np.array([[1, 60, 70, 80, 90]])
     for agent, (group, index) in exp.slots.items():
         model = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(out, agent))
@@ -200,7 +204,8 @@ def test_exported_agents_generate_our_greedy_text_in_transformers_alone(referenc
 
     out = str(tmp_path / "export")
     export.export(reference_run, out)
-    exp, state, _, _ = evaluate.load_run(reference_run)
+    exp, run = evaluate.load_run(reference_run)
+    state = run.train
     query = "What is the price of the Aero Lamp?"
     for agent in ("master", "qa"):
         group, index = exp.slots[agent]
@@ -227,7 +232,7 @@ def test_exported_agents_generate_our_greedy_text_in_transformers_alone(referenc
 def test_a_bad_config_fails_before_the_workdir_is_touched(tmp_path):
     data = tmp_path / "data"
     with pytest.raises(ValueError, match=r"2 config problem\(s\):\n  - config.grpo.kl='k9'"):
-        train.train(_config(data_dir=str(data), **{"grpo.kl": "k9", "eval.every": -1}),
+        train.train(_config(data_dir=str(data), **{"grpo.kl": "k9", "eval.grpo_every": -1}),
                     str(tmp_path / "bad"))
     assert not (tmp_path / "bad").exists() and not data.exists()  # no workdir, no suite built
 
@@ -257,7 +262,8 @@ def test_an_overflowing_update_stops_the_run_and_saves_no_non_finite_value(tmp_p
     steps = sorted(int(d) for d in os.listdir(ckpts) if d.isdigit())
     assert steps == [1, 2]
     for step in steps:
-        _, state, _, _ = evaluate.load_run(workdir, step)
+        _, run = evaluate.load_run(workdir, step)
+        state = run.train
         for leaf in jax.tree.leaves(state.groups):
             assert np.all(np.isfinite(np.asarray(leaf))), step
         assert int(state.skipped) == step and int(state.step) == 0
@@ -265,7 +271,7 @@ def test_an_overflowing_update_stops_the_run_and_saves_no_non_finite_value(tmp_p
 
 def test_every_zero_evaluates_and_saves_at_phase_ends_only(tmp_path, data_dir):
     workdir = str(tmp_path / "ends")
-    train.train(_config(data_dir=data_dir, **{"eval.every": 0, "checkpoint.every": 0}), workdir)
+    train.train(_config(data_dir=data_dir, **{"eval.sft_every": 0, "eval.grpo_every": 0, "checkpoint.every": 0}), workdir)
     rows = metrics.read_metrics(workdir)
     assert [r["step"] for r in rows if "eval/test/accuracy" in r] == [3, 6]
     ckpts = os.path.join(workdir, "checkpoints")

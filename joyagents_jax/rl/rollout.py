@@ -125,6 +125,7 @@ class Counters:
     waves: int = 0
     generated_tokens: int = 0
     llm_nodes: int = 0
+    memory_lookups: int = 0  # nodes the memory was asked about
     memory_hits: int = 0
     memory_hints: int = 0
     tool_calls: int = 0
@@ -213,6 +214,7 @@ class Rollout:
                 break
             todo = []
             found = self.memory.lookup([request for _, request in pending])
+            counters.memory_lookups += len(pending)
             for (trace, request), hit in zip(pending, found):
                 if isinstance(hit, Reuse):
                     counters.memory_hits += 1

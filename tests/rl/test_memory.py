@@ -4,7 +4,6 @@ checkpoint round trip, and reuse of a rewarded query end to end with scripted po
 import collections
 import dataclasses
 import json
-import types
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +16,7 @@ from joyagents_jax import config as config_lib
 from joyagents_jax.agents import protocol, system
 from joyagents_jax.data import assistant_suite as suite
 from joyagents_jax.models import qwen2
-from joyagents_jax.rl import memory, rollout
+from joyagents_jax.rl import memory, memory_hook, rollout
 from joyagents_jax.tokenizers import ByteTokenizer
 from tests.rl.test_rollout import ScriptedPolicy, gold_script
 
@@ -156,12 +155,13 @@ def test_delete_after_a_bad_hit():
     assert np.asarray(table.valid).tolist() == [True, False, False, False]
 
 
-def test_no_change_at_all_when_sigma_is_zero():
+def test_nothing_written_or_deleted_when_sigma_is_zero():
     table = filled([(E[0], 1.1, 0), (E[1], 1.1, 0)])
     before = snapshot(table)
     table, m = step(table, batch([(E[2], 1.1), (E[3], 1.1)], fillers=0), hits((1, 0.0)))
     assert m == dict(entries=2, inserts=0, replacements=0, evictions=0, deletions=0)
-    assert_same(snapshot(table), before)
+    assert np.asarray(table.hits).tolist() == [0, 1, 0, 0]  # the reuse is still counted
+    assert_same(snapshot(table).replace(hits=before.hits), before)
 
 
 def test_colliding_candidates_resolve_in_row_order():
@@ -227,9 +227,13 @@ def test_lookup_matches_numpy_and_handles_an_empty_table():
     assert np.all(np.isneginf(sim)) and np.all(np.asarray(slot) == -1)
 
 
-def test_record_hits_counts_reuses():
-    table = memory.record_hits(memory.init_table(CFG, D), np.array([0, 2, 0, -1], np.int32))
-    assert np.asarray(table.hits).tolist() == [2, 0, 1, 0]
+def test_update_counts_the_steps_reuses_and_a_write_resets_them():
+    table = filled([(E[0], 1.0, 0), (E[1], 1.0, 0), (E[2], 1.0, 0)])
+    high = hits((0, 1.0), (2, 1.0), (0, 1.0))  # good outcomes: nothing is deleted
+    table, m = step(table, batch([]), high)  # fillers only: sigma = 0, nothing enters
+    assert np.asarray(table.hits).tolist() == [2, 0, 1, 0] and m["deletions"] == 0
+    table, _ = step(table, batch([(E[0], 2.0)]), hits((1, 1.0)))  # E[0] rewritten
+    assert np.asarray(table.hits).tolist() == [0, 1, 1, 0]
 
 
 def test_update_and_lookup_compile_once_for_fixed_shapes():
@@ -247,7 +251,7 @@ def test_update_and_lookup_compile_once_for_fixed_shapes():
 
 def test_orbax_round_trip_is_bit_exact(tmp_path):
     table, _ = step(memory.init_table(CFG, D), batch([(E[0], 1.1), (E[1], 1.05)]), t=7)
-    table = memory.record_hits(table, np.array([1, 1], np.int32))
+    table, _ = step(table, batch([]), hits((1, 1.1), (1, 1.1)), t=8)
     state = {"all": jax.tree.map(lambda *x: jnp.stack(x), table, memory.init_table(CFG, D))}
     with ocp.StandardCheckpointer() as ckpt:
         ckpt.save(tmp_path / "memory", state)
@@ -272,19 +276,16 @@ def test_dump_writes_decoded_entries(tmp_path):
                                      hits=2, request="hi?", response="<a>ok")]
 
 
-def test_from_experiment_maps_the_run_config():
-    sys_ = system.make_system(suite.suite_world(suite.TINY))
+def test_tables_follow_the_run_config():
     model = qwen2.Qwen2Config(vocab_size=TOK.vocab_size, hidden_size=8, intermediate_size=16,
                               num_layers=1, num_heads=2, num_kv_heads=1)
     ref = jax.tree.map(lambda x: jnp.zeros((2, *x.shape), x.dtype), qwen2.param_shapes(model))
-    ns = types.SimpleNamespace
     config = config_lib.get_config()
     config.memory.update(capacity=5, response_len=7, request_len=3, z=1.5)
-    exp = ns(system=sys_, tokenizer=TOK, slots={"master": ("g", 0), "qa": ("g", 1)},
-             parts=components.build(config))
-    hook = memory.from_experiment(exp, ns(groups={"g": ns(model=model, ref_params=ref)}))
-    assert (hook.cfg.capacity, hook.cfg.response_length, hook.cfg.z) == (5, 7, 1.5)
-    assert hook.tables["g"].key.shape == (2, 5, 8) and hook.tables["g"].request.shape == (2, 5, 3)
+    cfg = components.build(config).memory
+    assert (cfg.capacity, cfg.response_length, cfg.z) == (5, 7, 1.5)
+    tables = memory_hook.init_tables(cfg, {"g": memory_hook.GroupModel(model, ref)})
+    assert tables["g"].key.shape == (2, 5, 8) and tables["g"].request.shape == (2, 5, 3)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -310,39 +311,40 @@ def test_repeated_rewarded_query_is_answered_from_memory():
     cfg = memory.MemoryConfig(capacity=8, response_length=64, request_length=32,
                               tau_reuse=0.9999, tau_hint=0.9999, embed_batch=8)
     slots = {a: ("all", i) for i, a in enumerate(sys_.agents)}
-    hook = memory.MemoryHook(sys_, TOK, {"all": memory.GroupModel(model, ref)}, slots, cfg)
-    run = lambda exs_: rollout.Rollout(sys_, TOK, ScriptedPolicy(script),
-                                       rollout.RolloutConfig("nodewise", 2), hook).run(
+    ctx = memory_hook.Context(sys_, TOK, slots, cfg)
+    models = {"all": memory_hook.GroupModel(model, ref)}
+    tables = memory_hook.init_tables(cfg, models)
+    run = lambda exs_, tables, episodes=False: getattr(rollout.Rollout(
+        sys_, TOK, ScriptedPolicy(script), rollout.RolloutConfig("nodewise", 2),
+        memory_hook.MemoryView(ctx, tables, models)), "episodes" if episodes else "run")(
         [task(e) for e in exs_])
+    leaves = lambda tables: [np.asarray(x).tobytes() for x in jax.tree.leaves(tables)]
 
-    first = run([good, bad])
+    first = run([good, bad], tables)
     k = good.min_llm_calls
     assert first.episodes[0].episode.llm_calls == k and first.counters.memory_hits == 0
     assert float(first.rewards[0].total) > float(first.rewards[1].total)
-    m = hook.update_from_rollout(first, step=1)
+    tables, m = memory_hook.update(ctx, tables, models, first, step=1)
     assert m["entries"] == k and m["inserts"] == k and m["llm_calls_saved"] == 0
 
-    second = run([good])
+    before = leaves(tables)
+    second = run([good], tables)
     episode = second.episodes[0].episode
     assert second.counters.memory_hits >= 1 and episode.llm_calls <= k - 1
     assert [n.output for n in episode.nodes] == [n.output for n in first.episodes[0].episode.nodes]
     assert float(second.rewards[0].total) == float(first.rewards[0].total)
     assert float(second.rewards[0].memory_reward) == float(first.rewards[0].memory_reward)
-    before, stats = [np.asarray(x).tobytes() for x in jax.tree.leaves(hook.tables)], hook.stats.copy()
-    view = hook.frozen()  # evaluation's view: reuses the same entries, records nothing
-    third = rollout.Rollout(sys_, TOK, ScriptedPolicy(script), rollout.RolloutConfig("nodewise", 2),
-                            view).episodes([task(good)])
-    assert third.counters.memory_hits >= 1 and view.stats == collections.Counter()
-    assert [np.asarray(x).tobytes() for x in jax.tree.leaves(hook.tables)] == before
-    assert hook.stats == stats
-    m = hook.update_from_rollout(second, step=2)
+    third = run([good], tables, episodes=True)  # evaluation reads the same entries
+    assert third.counters.memory_hits >= 1
+    assert leaves(tables) == before  # lookups never write: only the update changes the tables
+    tables, m = memory_hook.update(ctx, tables, models, second, step=2)
     assert m["llm_calls_saved"] == second.counters.memory_hits and m["hit_rate"] > 0
-    assert int(sum(t.hits.sum() for t in hook.tables.values())) == second.counters.memory_hits
+    assert m["hit_rate"] == second.counters.memory_hits / second.counters.memory_lookups
+    assert int(sum(t.hits.sum() for t in tables.values())) == second.counters.memory_hits
 
     # A match that may not be reused verbatim (stored reward below the bar) becomes a hint.
-    hinting = memory.MemoryHook(sys_, TOK, hook.models, slots,
-                                dataclasses.replace(cfg, reuse_min_reward=2.0))
-    hinting.tables = hook.tables
+    hinting = memory_hook.MemoryView(ctx._replace(cfg=dataclasses.replace(cfg, reuse_min_reward=2.0)),
+                                     tables, models)
     request = system.Episode(sys_, good.query).pending()
     (hint,) = hinting.lookup([request])
     assert hint == protocol.Hint(good.query[:32], first.episodes[0].episode.nodes[0].output)
