@@ -1,0 +1,115 @@
+"""Where a trained run's agents fail, and how much a sampler can find: the learning diagnosis.
+
+    python benchmarks/diagnose.py --workdir runs/default --step 600 --samples 4
+
+On a held-out split (`--split`, default test), without the memory:
+- greedy episodes: accuracy and LLM calls per query, and each failed episode's first departure
+  from its gold trajectory, named by the node where it happens: `routing` (the master's call),
+  `tool name`, `tool arguments`, `sub-agent answer`, `final answer` (the master's), or `format`
+  (a node that does not parse); `other path` when it fails after a different but valid route;
+- `--samples` G episodes per query at the rollout temperature: the mean sampled accuracy and
+  pass@G, the share of queries at least one of G samples answers: the headroom GRPO can find.
+Per domain as well. Writes `<workdir>/diagnosis_<step>.json` and prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import sys
+
+import jax
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from joyagents_jax import evaluate  # noqa: E402
+from joyagents_jax.agents.protocol import ParseError  # noqa: E402
+from joyagents_jax.data import assistant_suite as suite  # noqa: E402
+from joyagents_jax.experiment import task_of  # noqa: E402
+from joyagents_jax.rl import rollout  # noqa: E402
+
+_TOOL = re.compile(r'<tool name="(\w+)">')
+
+
+def first_error(nodes, gold: tuple[suite.GoldNode, ...]) -> str:
+    """The kind of the first node where a failed episode leaves its gold trajectory."""
+    for node, want in zip(nodes, gold):
+        if node.output == want.output:
+            continue
+        if isinstance(node.action, ParseError):
+            return "format"
+        if node.agent != want.agent:
+            return "other path"
+        if want.output.startswith("<call"):
+            return "routing"
+        if want.output.startswith("<tool"):
+            same = _TOOL.match(node.output) and _TOOL.match(node.output).group(1) == \
+                _TOOL.match(want.output).group(1)
+            return "tool arguments" if same else "tool name"
+        return "final answer" if want.agent == suite.MASTER else "sub-agent answer"
+    return "stopped early" if len(nodes) < len(gold) else "other path"
+
+
+def diagnose(workdir: str, step: int | None, split: str, samples: int, examples: int) -> dict:
+    exp, run = evaluate.load_run(workdir, step)
+    source = exp.sources[split]
+    exs = [suite.decode(source[i]) for i in range(min(examples or len(source), len(source)))]
+    tasks = [task_of(e) for e in exs]
+    engine = lambda policy: rollout.Rollout(exp.system, exp.tokenizer, policy, exp.parts.rollout)
+    greedy = engine(exp.policy(run.train, jax.random.key(0), greedy=True)).episodes(tasks)
+    correct = np.array([float(r.r_answer) for r in greedy.rewards])
+    sampled = np.stack([[float(r.r_answer) for r in engine(
+        exp.policy(run.train, jax.random.key(1 + g))).episodes(tasks).rewards]
+        for g in range(samples)])  # [G, Q]
+    errors = [None if ok else first_error(t.episode.nodes, e.gold)
+              for ok, t, e in zip(correct, greedy.episodes, exs)]
+    calls = np.array([t.episode.llm_calls for t in greedy.episodes])
+    rows = {}
+    for domain in ["all", *sorted({e.domain for e in exs})]:
+        idx = [i for i, e in enumerate(exs) if domain in ("all", e.domain)]
+        counts = collections.Counter(errors[i] for i in idx if errors[i])
+        rows[domain] = {"queries": len(idx), "greedy_acc": float(correct[idx].mean()),
+                        "sampled_acc": float(sampled[:, idx].mean()),
+                        f"pass@{samples}": float(sampled[:, idx].max(0).mean()),
+                        "llm_calls": float(calls[idx].mean()),
+                        "gold_llm_calls": float(np.mean([exs[i].min_llm_calls for i in idx])),
+                        "errors": dict(counts.most_common())}
+    return {"workdir": workdir, "step": int(run.step), "split": split, "samples": samples,
+            "temperature": exp.config.grpo.temperature, "domains": rows}
+
+
+def table(result: dict) -> str:
+    g = result["samples"]
+    kinds = sorted({k for r in result["domains"].values() for k in r["errors"]})
+    head = ["domain", "queries", "greedy acc", f"sampled acc (T={result['temperature']})",
+            f"pass@{g}", "LLM calls (gold)", *[f"err: {k}" for k in kinds]]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for domain, r in result["domains"].items():
+        cells = [domain, str(r["queries"]), f"{r['greedy_acc']:.3f}", f"{r['sampled_acc']:.3f}",
+                 f"{r[f'pass@{g}']:.3f}", f"{r['llm_calls']:.2f} ({r['gold_llm_calls']:.2f})",
+                 *[str(r["errors"].get(k, 0)) for k in kinds]]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workdir", required=True)
+    parser.add_argument("--step", type=int, default=None, help="checkpoint (default: latest)")
+    parser.add_argument("--split", default="test")
+    parser.add_argument("--samples", type=int, default=4, help="G sampled episodes per query")
+    parser.add_argument("--examples", type=int, default=0, help="0: the whole split")
+    args = parser.parse_args(argv)
+    result = diagnose(args.workdir, args.step, args.split, args.samples, args.examples)
+    with open(os.path.join(args.workdir, f"diagnosis_{result['step']}.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    print(table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
