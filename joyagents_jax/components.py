@@ -14,7 +14,7 @@ from typing import NamedTuple
 import ml_collections
 
 from joyagents_jax import train_state as ts
-from joyagents_jax.agents import system
+from joyagents_jax.agents import demonstrator, system
 from joyagents_jax.rl import grpo, grpo_step, memory, rollout
 from joyagents_jax.rl import rewards as rw
 from joyagents_jax.sampling import SamplingConfig
@@ -32,6 +32,7 @@ class Components(NamedTuple):
     sampling: SamplingConfig  # rollouts; evaluation is the same, greedy
     limits: system.Limits
     memory: memory.MemoryConfig
+    demonstrator: demonstrator.DemoErrors  # SFT demonstrations' detours
 
 
 def build(c: ml_collections.ConfigDict) -> Components:
@@ -55,7 +56,10 @@ def build(c: ml_collections.ConfigDict) -> Components:
         sampling=SamplingConfig(c.limits.max_tokens_per_node, temperature=g.temperature,
                                 top_k=g.top_k, top_p=g.top_p),
         limits=system.Limits(**c.limits),
-        memory=_memory(c.memory, rewards.best_memory_reward))
+        memory=_memory(c.memory, rewards.best_memory_reward),
+        demonstrator=demonstrator.DemoErrors(wrong_route=s.demo_wrong_route,
+                                             wrong_tool=s.demo_wrong_tool,
+                                             redundant_call=s.demo_redundant_call))
 
 
 def _memory(m: ml_collections.ConfigDict, best_reward: float) -> memory.MemoryConfig:

@@ -41,9 +41,12 @@ def get_config() -> ml_collections.ConfigDict:
 
     # The first `shared_steps` SFT steps train one base policy on every agent's demonstrations
     # (agents start equal and take the mean gradient), as real agents share a pretrained base.
+    # demo_*: rates of an imperfect demonstrator's detours (agents/demonstrator.py): the master
+    # first asks the wrong sub-agent, a sub-agent tries a wrong tool or repeats a call; 0: gold.
     c.sft = ml_collections.ConfigDict(dict(steps=600, shared_steps=600, batch_per_agent=8,
                                            learning_rate=5e-3, warmup_steps=20, weight_decay=0.0,
-                                           clip_norm=1.0))
+                                           clip_norm=1.0, demo_wrong_route=0.0,
+                                           demo_wrong_tool=0.0, demo_redundant_call=0.0))
 
     # JoyAgents-R1: node-wise sampling, top-K (K=5) node groups by reward variance. Measured
     # from seed 1's SFT checkpoint (benchmarks/RESULTS.md): at learning rate 1e-4 with all groups

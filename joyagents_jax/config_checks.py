@@ -203,7 +203,9 @@ def _sft(c) -> Iterator[str]:
                     _number(c, "sft.learning_rate", low=0, low_open=True),
                     _number(c, "sft.warmup_steps", low=0, integer=True),
                     _number(c, "sft.weight_decay", low=0),
-                    _number(c, "sft.clip_norm", low=0, low_open=True))
+                    _number(c, "sft.clip_norm", low=0, low_open=True),
+                    *(_number(c, f"sft.demo_{k}", low=0, high=1, why="a rate")
+                      for k in ("wrong_route", "wrong_tool", "redundant_call")))
 
 
 def _grpo(c) -> Iterator[str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import random
 import time
 from collections.abc import Sequence
 
@@ -21,7 +22,7 @@ import numpy as np
 from joyagents_jax import batching, sft, sharding
 from joyagents_jax import components, config_checks
 from joyagents_jax import train_state as ts
-from joyagents_jax.agents import protocol, system
+from joyagents_jax.agents import demonstrator, protocol, system
 from joyagents_jax.data import assistant_suite as suite
 from joyagents_jax.models import hf_io, presets, qwen2
 from joyagents_jax.rl import grpo_step, memory_hook, rollout
@@ -149,12 +150,16 @@ class Experiment:
         return jax.device_put(batch, ts.agent_batch_shardings(batch, self.mesh))
 
     def _demonstrations(self) -> dict[str, list[tuple[list[int], list[int]]]]:
-        """Per agent, (context ids, output ids) of every node of every train gold trajectory."""
+        """Per agent, (context ids, output ids) of every node of one demonstration of every
+        train example: its gold trajectory, with the configured demonstrator's detours."""
         demos = collections.defaultdict(list)
         source = self.sources["train"]
         for i in range(len(source)):
             ex = suite.decode(source[i])
-            episode = system.demonstration(self.system, ex.query, [n.output for n in ex.gold])
+            outputs = demonstrator.outputs(self.system, [(n.agent, n.output) for n in ex.gold],
+                                           self.parts.demonstrator,
+                                           random.Random(f"{self.config.seed}/demo/{i}"))
+            episode = system.demonstration(self.system, ex.query, outputs)
             for node in episode.nodes:
                 prompt = protocol.render_prompt(self.tokenizer, self.system.specs[node.agent],
                                                 node.query, node.turns)

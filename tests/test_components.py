@@ -11,7 +11,8 @@ from joyagents_jax import config as config_lib
 CHANGED = {
     "limits.max_nodes": 5, "limits.max_tokens_per_node": 40, "limits.max_observation_chars": 50,
     "sft.learning_rate": 1e-3, "sft.warmup_steps": 3, "sft.weight_decay": 0.01,
-    "sft.clip_norm": 0.5,
+    "sft.clip_norm": 0.5, "sft.demo_wrong_route": 0.2, "sft.demo_wrong_tool": 0.3,
+    "sft.demo_redundant_call": 0.4,
     "grpo.group_size": 6, "grpo.mode": "trajectory", "grpo.topk": 2, "grpo.select": "agents",
     "grpo.micro_batch": 4, "grpo.inner_steps": 3, "grpo.beta": 0.01, "grpo.eps_low": 0.1,
     "grpo.eps_high": 0.3, "grpo.kl": "k1", "grpo.aggregation": "token_mean",
