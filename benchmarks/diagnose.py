@@ -9,13 +9,15 @@ On a held-out split (`--split`, default test), without the memory:
   (a node that does not parse); `other path` when it fails after a different but valid route;
 - `--samples` G episodes per query at the rollout temperature: the mean sampled accuracy and
   pass@G, the share of queries at least one of G samples answers: the headroom GRPO can find.
-Per domain as well. Writes `<workdir>/diagnosis_<step>.json` and prints a Markdown table.
+Per domain as well. Writes `<workdir>/diagnosis_<step>_T<temperature>_G<samples>.json` and prints a
+Markdown table.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import os
 import re
@@ -54,8 +56,12 @@ def first_error(nodes, gold: tuple[suite.GoldNode, ...]) -> str:
     return "stopped early" if len(nodes) < len(gold) else "other path"
 
 
-def diagnose(workdir: str, step: int | None, split: str, samples: int, examples: int) -> dict:
+def diagnose(workdir: str, step: int | None, split: str, samples: int, examples: int,
+             temperature: float | None = None) -> dict:
     exp, run = evaluate.load_run(workdir, step)
+    if temperature is not None:  # sample at another temperature than the run's rollouts
+        exp.parts = exp.parts._replace(sampling=dataclasses.replace(exp.parts.sampling,
+                                                                    temperature=temperature))
     source = exp.sources[split]
     exs = [suite.decode(source[i]) for i in range(min(examples or len(source), len(source)))]
     tasks = [task_of(e) for e in exs]
@@ -79,7 +85,7 @@ def diagnose(workdir: str, step: int | None, split: str, samples: int, examples:
                         "gold_llm_calls": float(np.mean([exs[i].min_llm_calls for i in idx])),
                         "errors": dict(counts.most_common())}
     return {"workdir": workdir, "step": int(run.step), "split": split, "samples": samples,
-            "temperature": exp.config.grpo.temperature, "domains": rows}
+            "temperature": exp.parts.sampling.temperature, "domains": rows}
 
 
 def table(result: dict) -> str:
@@ -103,9 +109,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--split", default="test")
     parser.add_argument("--samples", type=int, default=4, help="G sampled episodes per query")
     parser.add_argument("--examples", type=int, default=0, help="0: the whole split")
+    parser.add_argument("--temperature", type=float, default=None,
+                        help="sampling temperature (default: the run's grpo.temperature)")
     args = parser.parse_args(argv)
-    result = diagnose(args.workdir, args.step, args.split, args.samples, args.examples)
-    with open(os.path.join(args.workdir, f"diagnosis_{result['step']}.json"), "w") as f:
+    result = diagnose(args.workdir, args.step, args.split, args.samples, args.examples,
+                      args.temperature)
+    name = f"diagnosis_{result['step']}_T{result['temperature']}_G{args.samples}.json"
+    with open(os.path.join(args.workdir, name), "w") as f:
         json.dump(result, f, indent=2)
     print(table(result))
     return 0
