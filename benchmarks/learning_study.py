@@ -11,8 +11,12 @@ rollouts have generated `--tokens` tokens, and is evaluated greedily on all of `
     python benchmarks/learning_study.py --report                                 # table + plot
 
 Runs are cached as JSON under --root (one file per seed and variant), so the study can be
-run piece by piece; --report aggregates whatever exists into a Markdown table (mean +- std over
-seeds) and `learning_curves.png` (rollout accuracy against generated tokens).
+run piece by piece; --report aggregates whatever exists into `<out>.json` (one record per
+variant and seed: SFT and final accuracy with and without the memory, LLM calls, tokens), a
+Markdown table (mean +- std over seeds) and `<out>.png` (rollout accuracy, and with
+--eval_every held-out accuracy without the memory, against generated tokens). `--set KEY=VALUE`
+overrides apply to every run; `sft.*` ones also to the seed's SFT checkpoint (use a separate
+--root for each setting).
 """
 
 from __future__ import annotations
@@ -59,13 +63,15 @@ def config_for(seed: int, overrides: dict) -> "config_lib.ml_collections.ConfigD
     return c
 
 
-def sft_checkpoint(root: str, seed: int, data_dir: str) -> str:
-    """The seed's SFT workdir, trained (SFT phase only) unless its end-of-SFT checkpoint exists
-    (e.g. copied from a default run of that seed: the SFT phases are identical)."""
+def sft_checkpoint(root: str, seed: int, data_dir: str, extra: dict) -> str:
+    """The seed's SFT workdir, trained (SFT phase only, with the `sft.*` overrides of `extra`,
+    e.g. the demonstrator's rates) unless its end-of-SFT checkpoint exists (e.g. copied from a
+    default run of that seed: the SFT phases are identical)."""
     workdir = os.path.join(root, f"sft_s{seed}")
-    steps = config_lib.get_config().sft.steps
-    if not os.path.isdir(os.path.join(workdir, "checkpoints", str(steps))):
-        train.train(config_for(seed, {"grpo.steps": 0, "data_dir": data_dir}), workdir)
+    sft = {k: v for k, v in extra.items() if k.startswith("sft.")}
+    c = config_for(seed, {**sft, "grpo.steps": 0, "data_dir": data_dir})
+    if not os.path.isdir(os.path.join(workdir, "checkpoints", str(c.sft.steps))):
+        train.train(c, workdir)
     return workdir
 
 
@@ -82,11 +88,13 @@ def evaluate(exp: experiment.Experiment, run) -> dict[str, float]:
 
 
 def run_variant(root: str, seed: int, name: str, tokens: int, max_steps: int,
-                extra: dict | None = None) -> dict:
+                extra: dict | None = None, eval_every: int = 0) -> dict:
     """GRPO from the seed's SFT checkpoint until `tokens` generated tokens (or `max_steps`);
-    evaluation. `extra`: config overrides on top of the variant's."""
+    evaluation. `extra`: config overrides on top of the variant's. Every `eval_every` steps
+    (0: never) the policies are also evaluated on `test` without the memory, for the curve of
+    held-out accuracy against sampler tokens."""
     data_dir = os.path.join(root, "data")
-    sft_dir = sft_checkpoint(root, seed, data_dir)
+    sft_dir = sft_checkpoint(root, seed, data_dir, extra or {})
     c = config_for(seed, {**VARIANTS[name][1], **(extra or {}), "data_dir": data_dir})
     exp = experiment.Experiment(c, os.path.join(root, f"{name}_s{seed}"))
     with checkpoint.Checkpointer(os.path.join(sft_dir, "checkpoints"), keep=10) as ckpt:
@@ -102,16 +110,45 @@ def run_variant(root: str, seed: int, name: str, tokens: int, max_steps: int,
                 break
             run, m = exp.grpo_iteration(run)
             generated += int(m["rollout/generated_tokens"])
-            curve.append({"step": k + 1, "tokens": generated, "accuracy": m["grpo/accuracy"],
-                          "reward": m["grpo/reward"], "kept_groups": m["grpo/kept_groups"],
-                          "updated_agents": m["grpo/updated_agents"]})
+            point = {"step": k + 1, "tokens": generated, "accuracy": m["grpo/accuracy"],
+                     "reward": m["grpo/reward"], "kept_groups": m["grpo/kept_groups"],
+                     "updated_agents": m["grpo/updated_agents"]}
+            if eval_every and (k + 1) % eval_every == 0:
+                point["test_acc_no_memory"] = exp.evaluate(run, "test", SPLITS["test"],
+                                                           use_memory=False)["eval/test/accuracy"]
+            curve.append(point)
+    ev = evaluate(exp, run)
+    alone = lambda key: ev.get(key.replace("eval/", "eval_nomem/", 1), ev[key])
     return {"seed": seed, "variant": name, "steps": len(curve), "generated_tokens": generated,
-            "seconds": time.time() - start, "curve": curve, "eval": evaluate(exp, run)}
+            "seconds": time.time() - start, "curve": curve, "eval": ev,
+            "test_acc": ev["eval/test/accuracy"],
+            "test_acc_no_memory": alone("eval/test/accuracy"),
+            "llm_calls_no_memory": alone("eval/test/llm_calls_per_query"),
+            "overrides": extra or {}}
+
+
+def records(runs: list[dict]) -> list[dict]:
+    """One record per (variant, seed): accuracy and LLM calls after GRPO, with and without the
+    memory, beside the same seed's end-of-SFT figures (from its `sft_only` run)."""
+    sft = {r["seed"]: r for r in runs if r["variant"] == "sft_only"}
+    out = []
+    for r in runs:
+        base = sft.get(r["seed"])
+        out.append({"variant": r["variant"], "seed": r["seed"],
+                    "sft_test_acc": base["test_acc"] if base else None,
+                    "test_acc": r["test_acc"], "test_acc_no_memory": r["test_acc_no_memory"],
+                    "sft_llm_calls": base["llm_calls_no_memory"] if base else None,
+                    "llm_calls_no_memory": r["llm_calls_no_memory"],
+                    "generated_tokens": r["generated_tokens"], "steps": r["steps"],
+                    "overrides": r.get("overrides", {})})
+    return out
 
 
 def report(root: str, out_md: str, out_png: str) -> str:
     runs = [json.load(open(os.path.join(root, f))) for f in sorted(os.listdir(root))
             if f.startswith("result_") and f.endswith(".json")]
+    with open(out_md.removesuffix(".md") + ".json", "w") as f:
+        json.dump(records(runs), f, indent=1)
     by_variant: dict[str, list[dict]] = {}
     for r in runs:
         by_variant.setdefault(r["variant"], []).append(r)
@@ -149,22 +186,34 @@ def report(root: str, out_md: str, out_png: str) -> str:
 
 
 def _plot(by_variant: dict[str, list[dict]], path: str) -> None:
+    """Left: rollout accuracy against generated tokens. Right (runs with --eval_every): held-out
+    test accuracy of the policies without the memory against generated tokens, from SFT on."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(7, 4), layout="constrained")
-    ax = fig.subplots()
+    fig = Figure(figsize=(11, 4), layout="constrained")
+    rollout_ax, heldout_ax = fig.subplots(1, 2)
+    sft = {r["seed"]: r["test_acc"] for r in by_variant.get("sft_only", [])}
     for name, rs in by_variant.items():
+        color = f"C{list(VARIANTS).index(name)}"
         for i, r in enumerate(rs):
             if not r["curve"]:
                 continue
+            label = VARIANTS[name][0] if i == 0 else None
             x = [p["tokens"] for p in r["curve"]]
             acc = [p["accuracy"] for p in r["curve"]]
             y = [np.mean(acc[max(0, t - 2):t + 1]) for t in range(len(acc))]  # trailing mean
-            ax.plot(x, y, color=f"C{list(VARIANTS).index(name)}", alpha=0.7, lw=1,
-                    label=VARIANTS[name][0] if i == 0 else None)
-    ax.set_xlabel("generated tokens (sampler budget)")
-    ax.set_ylabel("rollout accuracy (trailing 3-step mean)")
-    ax.legend(fontsize=7)
+            rollout_ax.plot(x, y, color=color, alpha=0.7, lw=1, label=label)
+            held = [(p["tokens"], p["test_acc_no_memory"]) for p in r["curve"]
+                    if "test_acc_no_memory" in p]
+            if held:
+                start = [(0, sft[r["seed"]])] if r["seed"] in sft else []
+                hx, hy = zip(*(start + held))
+                heldout_ax.plot(hx, hy, color=color, alpha=0.7, lw=1, marker=".", label=label)
+    rollout_ax.set_xlabel("generated tokens (sampler budget)")
+    rollout_ax.set_ylabel("rollout accuracy (trailing 3-step mean)")
+    rollout_ax.legend(fontsize=7)
+    heldout_ax.set_xlabel("generated tokens (sampler budget)")
+    heldout_ax.set_ylabel("test accuracy, policies without memory (greedy)")
     fig.savefig(path, dpi=120)
 
 
@@ -178,6 +227,8 @@ def main() -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="config override for every run, e.g. grpo.learning_rate=1e-4 (use a "
                         "separate --root: results are cached by seed and variant)")
+    p.add_argument("--eval_every", type=int, default=0,
+                   help="evaluate test without the memory every N GRPO steps (0: at the end)")
     p.add_argument("--report", action="store_true", help="only aggregate the cached runs")
     p.add_argument("--out", default="benchmarks/learning_study")
     a = p.parse_args()
@@ -192,7 +243,8 @@ def main() -> None:
                 path = os.path.join(a.root, f"result_{name}_s{seed}.json")
                 if os.path.exists(path):
                     continue
-                result = run_variant(a.root, seed, name, a.tokens, a.max_steps, extra)
+                result = run_variant(a.root, seed, name, a.tokens, a.max_steps, extra,
+                                     a.eval_every)
                 with open(path, "w") as f:
                     json.dump(result, f, indent=1)
                 print(name, seed, {k: round(v, 3) for k, v in result["eval"].items()
