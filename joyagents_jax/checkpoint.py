@@ -20,7 +20,7 @@ the abstract tree, and `static_fields_check` reports where they differ from the 
 In a train loop (every process runs all of it; `save` is a collective):
 
     with Checkpointer(workdir / "checkpoints", best_metric="eval/test/accuracy") as ckpt, \
-            PreemptionGuard() as guard:
+            preemption.Guard() as guard:
         step, state, meta = 0, init_state, {}
         if (restored := ckpt.restore_latest_valid(abstract)) is not None:
             (state, meta), step = restored, ckpt.latest_step()
@@ -44,13 +44,11 @@ import json
 import logging
 import os
 import re
-import signal
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import jax
@@ -378,53 +376,3 @@ _LOOP_NOISE = re.compile(r"Event loop is closed|_check_closed|call_soon_threadsa
 def _is_loop_noise(line: str) -> bool:
     """A piece of those tracebacks (several threads interleave them mid-line)."""
     return line.startswith((" ", "\t")) or bool(_LOOP_NOISE.search(line))
-
-
-# ----------------------------------------------------------------------------------------------
-# Preemption.
-# ----------------------------------------------------------------------------------------------
-
-
-class PreemptionGuard:
-    """Turns SIGTERM/SIGINT into a flag, so the train loop can save and exit cleanly.
-
-    Inside `with PreemptionGuard() as guard:` the first signal sets `guard.requested`; the loop
-    checks it after each step, saves, waits for the save and leaves. A second signal restores
-    the previous handlers and re-delivers itself (a second Ctrl-C interrupts at once). The old
-    handlers come back on exit. Signal handlers can only be installed from the main thread.
-    """
-
-    def __init__(self, signals: Sequence[signal.Signals] = (signal.SIGTERM, signal.SIGINT)):
-        self.signals = tuple(signals)
-        self.requested = False
-        self.received: signal.Signals | None = None
-        self._previous: dict[signal.Signals, Any] = {}
-
-    def __enter__(self) -> PreemptionGuard:
-        self._previous = {s: signal.signal(s, self._handle) for s in self.signals}
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._restore()
-
-    def _restore(self) -> None:
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
-        self._previous = {}
-
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        del frame
-        if self.requested:
-            self._restore()
-            signal.raise_signal(signum)
-            return
-        self.requested, self.received = True, signal.Signals(signum)
-        logging.warning("Received %s: saving a checkpoint and stopping after this step.",
-                        self.received.name)
-
-    def stop_agreed(self) -> bool:
-        """`requested` on any process. A collective: call it on every process at the same step."""
-        if jax.process_count() == 1:
-            return self.requested
-        flags = multihost_utils.process_allgather(np.asarray(self.requested))
-        return bool(np.any(flags))

@@ -24,7 +24,7 @@ import sys
 import jax
 import ml_collections
 
-from joyagents_jax import checkpoint, config_checks, experiment, metrics, plots
+from joyagents_jax import checkpoint, config_checks, experiment, metrics, plots, preemption
 from joyagents_jax import workdir as workdir_lib
 from joyagents_jax.run_state import RunState
 
@@ -54,7 +54,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
 
     with checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep,
                                  best_metric=BEST) as ckpt, \
-            checkpoint.PreemptionGuard() as guard:
+            preemption.Guard() as guard:
         run = restore(exp, ckpt)
         if primary:  # only now: a rejected resume leaves the saved config as it was
             workdir_lib.write_config(config, workdir)

@@ -5,7 +5,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import flax.struct
 import jax
@@ -235,38 +234,3 @@ def test_restore_into_other_shardings(tmp_path):
     proc = _run(f"from tests.test_checkpoint import reshard_round_trip as f; "
                 f"f({str(tmp_path)!r})", devices=4)
     assert proc.returncode == 0 and "resharded ok" in proc.stdout, proc.stderr[-3000:]
-
-
-def _wait_for(predicate, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate() and time.monotonic() < deadline:
-        time.sleep(0.001)
-
-
-def test_preemption_guard_turns_sigterm_into_a_flag():
-    before = signal.getsignal(signal.SIGTERM)
-    with checkpoint.PreemptionGuard() as guard:
-        assert not guard.requested and not guard.stop_agreed()
-        os.kill(os.getpid(), signal.SIGTERM)
-        _wait_for(lambda: guard.requested)
-        assert guard.requested and guard.received == signal.SIGTERM and guard.stop_agreed()
-    assert signal.getsignal(signal.SIGTERM) is before
-
-
-def test_preemption_guard_second_interrupt_goes_through():
-    # Python's own SIGINT handler as the previous one: a process started in the background by
-    # a non-interactive shell (as CI may be) inherits SIGINT ignored instead.
-    outer = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        _second_interrupt_raises()
-    finally:
-        signal.signal(signal.SIGINT, outer)
-
-
-def _second_interrupt_raises():
-    with pytest.raises(KeyboardInterrupt), checkpoint.PreemptionGuard([signal.SIGINT]) as guard:
-        os.kill(os.getpid(), signal.SIGINT)
-        _wait_for(lambda: guard.requested)
-        assert guard.requested
-        os.kill(os.getpid(), signal.SIGINT)  # the previous handler raises KeyboardInterrupt
-        _wait_for(lambda: False, timeout=2.0)
