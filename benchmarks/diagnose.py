@@ -4,8 +4,9 @@
 
 On a held-out split (`--split`, default test), without the memory:
 - greedy episodes: accuracy and LLM calls per query, and each failed episode's first departure
-  from its gold trajectory, named by the node where it happens: `routing` (the master's call),
-  `tool name`, `tool arguments`, `sub-agent answer`, `final answer` (the master's), or `format`
+  from its gold trajectory, named by the node where it happens: `routing` (the master calls
+  another agent), `sub-query` (the right agent, another sub-query text), `tool name`,
+  `tool arguments`, `sub-agent answer`, `final answer` (the master's), or `format`
   (a node that does not parse); `other path` when it fails after a different but valid route;
 - `--samples` G episodes per query at the rollout temperature: the mean sampled accuracy and
   pass@G, the share of queries at least one of G samples answers: the headroom GRPO can find.
@@ -35,6 +36,7 @@ from joyagents_jax.experiment import task_of  # noqa: E402
 from joyagents_jax.rl import rollout  # noqa: E402
 
 _TOOL = re.compile(r'<tool name="(\w+)">')
+_CALL = re.compile(r'<call agent="(\w+)"')
 
 
 def first_error(nodes, gold: tuple[suite.GoldNode, ...]) -> str:
@@ -47,7 +49,9 @@ def first_error(nodes, gold: tuple[suite.GoldNode, ...]) -> str:
         if node.agent != want.agent:
             return "other path"
         if want.output.startswith("<call"):
-            return "routing"
+            same = _CALL.match(node.output) and _CALL.match(node.output).group(1) == \
+                _CALL.match(want.output).group(1)
+            return "sub-query" if same else "routing"
         if want.output.startswith("<tool"):
             same = _TOOL.match(node.output) and _TOOL.match(node.output).group(1) == \
                 _TOOL.match(want.output).group(1)
