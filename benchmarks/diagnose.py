@@ -29,7 +29,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from joyagents_jax import evaluate  # noqa: E402
+from joyagents_jax import evaluate, xla_flags  # noqa: E402
 from joyagents_jax.agents.protocol import ParseError  # noqa: E402
 from joyagents_jax.data import assistant_suite as suite  # noqa: E402
 from joyagents_jax.experiment import task_of  # noqa: E402
@@ -107,6 +107,7 @@ def table(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    xla_flags.pin_cpu_numerics()  # the numbers `joyagents train` gives (before JAX's backend starts)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workdir", required=True)
     parser.add_argument("--step", type=int, default=None, help="checkpoint (default: latest)")

@@ -29,7 +29,7 @@ import time
 
 import numpy as np
 
-from joyagents_jax import checkpoint, experiment, train
+from joyagents_jax import checkpoint, experiment, train, xla_flags
 from joyagents_jax import config as config_lib
 
 # name: (description, config overrides) on top of the embedded default.
@@ -218,6 +218,7 @@ def _plot(by_variant: dict[str, list[dict]], path: str) -> None:
 
 
 def main() -> None:
+    xla_flags.pin_cpu_numerics()  # the numbers `joyagents train` gives (before JAX's backend starts)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--root", default="runs/learning_study")
     p.add_argument("--seeds", default="0")
