@@ -15,7 +15,8 @@ run piece by piece; --report aggregates whatever exists into `<out>.json` (one r
 variant and seed: SFT and final accuracy with and without the memory, LLM calls, tokens), a
 Markdown table (mean +- std over seeds) and `<out>.png` (rollout accuracy, and with
 --eval_every held-out accuracy without the memory, against generated tokens). `--set KEY=VALUE`
-overrides apply to every run; `sft.*` ones also to the seed's SFT checkpoint (use a separate
+overrides apply to every run, and all but `grpo.*` and `memory.*` ones also to the seed's SFT
+checkpoint (use a separate
 --root for each setting).
 """
 
@@ -64,11 +65,12 @@ def config_for(seed: int, overrides: dict) -> "config_lib.ml_collections.ConfigD
 
 
 def sft_checkpoint(root: str, seed: int, data_dir: str, extra: dict) -> str:
-    """The seed's SFT workdir, trained (SFT phase only, with the `sft.*` overrides of `extra`,
-    e.g. the demonstrator's rates) unless its end-of-SFT checkpoint exists (e.g. copied from a
-    default run of that seed: the SFT phases are identical)."""
+    """The seed's SFT workdir, trained (SFT phase only, with the overrides of `extra` other than
+    `grpo.*` and `memory.*`, e.g. the demonstrator's rates or max_len) unless its end-of-SFT
+    checkpoint exists (e.g. copied from a default run of that seed: the SFT phases are
+    identical)."""
     workdir = os.path.join(root, f"sft_s{seed}")
-    sft = {k: v for k, v in extra.items() if k.startswith("sft.")}
+    sft = {k: v for k, v in extra.items() if not k.startswith(("grpo.", "memory."))}
     c = config_for(seed, {**sft, "grpo.steps": 0, "data_dir": data_dir})
     if not os.path.isdir(os.path.join(workdir, "checkpoints", str(c.sft.steps))):
         train.train(c, workdir)
