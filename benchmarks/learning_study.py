@@ -16,8 +16,7 @@ variant and seed: SFT and final accuracy with and without the memory, LLM calls,
 Markdown table (mean +- std over seeds) and `<out>.png` (rollout accuracy, and with
 --eval_every held-out accuracy without the memory, against generated tokens). `--set KEY=VALUE`
 overrides apply to every run, and all but `grpo.*` and `memory.*` ones also to the seed's SFT
-checkpoint (use a separate
---root for each setting).
+checkpoint (use a separate --root for each setting).
 """
 
 from __future__ import annotations

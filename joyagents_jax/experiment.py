@@ -165,6 +165,11 @@ class Experiment:
                                                 node.query, node.turns)
                 demos[node.agent].append((self.tokenizer.encode(prompt),
                                           self.tokenizer.encode(node.output)))
+        longest = max(len(c) + len(o) for pool in demos.values() for c, o in pool)
+        if longest > self.config.max_len:  # found now, not at the SFT step that draws it
+            raise ValueError(f"config.max_len={self.config.max_len}: the longest SFT "
+                             f"demonstration has {longest} tokens (context and output); raise "
+                             f"max_len to at least {longest}, or lower the sft.demo_* rates.")
         return demos
 
     # -- steps -------------------------------------------------------------------------------

@@ -302,3 +302,11 @@ def test_vocab_mismatch_is_named(tmp_path, data_dir):
     with pytest.raises(ValueError, match=r"vocabulary \(97\) is smaller than the tokenizer's"):
         train.train(_config(data_dir=data_dir, **{"groups.all.checkpoint": str(folder)}),
                     str(tmp_path / "bad"))
+
+
+def test_demonstrations_longer_than_max_len_are_refused_before_any_step(tmp_path, data_dir):
+    workdir = tmp_path / "short"
+    with pytest.raises(ValueError, match=r"config.max_len=64: the longest SFT demonstration has "
+                                         r"\d+ tokens.*raise max_len to at least \d+"):
+        train.train(_config(data_dir=data_dir, max_len=64), str(workdir))
+    assert not (workdir / "checkpoints").exists() or not os.listdir(workdir / "checkpoints")
