@@ -35,6 +35,7 @@ from joyagents_jax import config as config_lib
 # name: (description, config overrides) on top of the embedded default.
 VARIANTS = {
     "sft_only": ("SFT only", {}),
+    "default": ("the README default (JoyAgents-R1 as `joyagents train` runs it)", {}),
     "trajectory": ("trajectory GRPO, all groups, no memory",
                    {"grpo.mode": "trajectory", "grpo.topk": 0, "memory.enabled": False}),
     "nodewise_all": ("node-wise, all groups, no memory",

@@ -21,7 +21,8 @@ from joyagents_jax.sampling import SamplingConfig
 
 # Read by the train loop itself (how many steps, which batch), not by a component.
 LOOP_KEYS = ("sft.steps", "sft.shared_steps", "sft.batch_per_agent", "grpo.steps",
-             "grpo.queries", "memory.enabled")
+             "grpo.queries", "grpo.memory_groups", "memory.enabled",
+             "memory.in_rollouts")
 
 
 class Components(NamedTuple):
@@ -39,7 +40,8 @@ def build(c: ml_collections.ConfigDict) -> Components:
     s, g = c.sft, c.grpo
     rewards = rw.RewardConfig(w_format=g.w_format, w_efficiency=g.w_efficiency)
     loss = grpo.GRPOConfig(eps_low=g.eps_low, eps_high=g.eps_high, beta=g.beta, kl=g.kl,
-                           aggregation=g.aggregation, max_len=c.limits.max_tokens_per_node)
+                           aggregation=g.aggregation, max_len=c.limits.max_tokens_per_node,
+                           temperature=g.temperature if g.tempered_loss else 1.0)
     return Components(
         sft_optim=ts.OptimConfig(
             learning_rate=s.learning_rate, schedule="cosine" if s.steps > s.warmup_steps

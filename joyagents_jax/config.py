@@ -60,7 +60,9 @@ def get_config() -> ml_collections.ConfigDict:
         steps=30, queries=12, group_size=4, mode="nodewise", topk=5, select="groups",
         micro_batch=16, inner_steps=2, beta=0.04, eps_low=0.2, eps_high=0.28, kl="k3",
         aggregation="seq_mean_token_mean", advantage="std", learning_rate=5e-5, warmup_steps=0,
-        clip_norm=1.0, temperature=0.3, top_p=1.0, top_k=0, w_format=0.1, w_efficiency=0.05))
+        clip_norm=1.0, temperature=0.3, tempered_loss=False, top_p=1.0, top_k=0,
+        memory_groups="keep", w_format=0.1,
+        w_efficiency=0.05))
 
     # Reuse needs a (near-)identical node input: with mean-pooled embeddings of a tiny model,
     # different prompts of one agent reach cosine 0.9996 (measured). Hints are off by default
@@ -68,7 +70,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.memory = ml_collections.ConfigDict(dict(
         enabled=True, capacity=256, response_len=96, request_len=64, tau_reuse=0.99995,
         tau_hint=0.9995, hints=False, reuse=True, reuse_min_reward=1.0, tau_dup=0.99995, z=1.96,
-        decay_steps=50.0, alpha=1.0, beta=1.0, embed_batch=32))
+        decay_steps=50.0, alpha=1.0, beta=1.0, embed_batch=32, in_rollouts=True))
 
     # Held-out evaluation at the end of SFT and of GRPO, and every `sft_every` SFT steps and
     # `grpo_every` GRPO steps (counted within the phase; 0: phase ends only). During GRPO it also

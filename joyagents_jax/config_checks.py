@@ -27,6 +27,7 @@ SELECTS = ("groups", "agents")
 KLS = ("k1", "k2", "k3")
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 ADVANTAGES = ("std", "no_std", "loo")
+MEMORY_GROUPS = ("keep", "drop")
 GSM8K_SPLITS = ("train", "test", "train_socratic", "test_socratic")
 GROUP_KEYS = {"agents", "model", "checkpoint"}
 # The assistant suite's domains route to all of these (cooperation chains qa/efc with math/gfc).
@@ -231,6 +232,7 @@ def _grpo(c) -> Iterator[str]:
                             why="rollouts sample; evaluation is greedy anyway"),
                     _number(c, "grpo.top_p", low=0, high=1, low_open=True),
                     _number(c, "grpo.top_k", low=0, integer=True, why="0 = no top-k cut"),
+                    _flag(c, "grpo.tempered_loss"), _choice(c, "grpo.memory_groups", MEMORY_GROUPS),
                     _number(c, "grpo.w_format", low=0), _number(c, "grpo.w_efficiency", low=0))
     mb = g.micro_batch
     if isinstance(mb, int) and mb > 0 and mb & (mb - 1):
@@ -240,7 +242,7 @@ def _grpo(c) -> Iterator[str]:
 
 def _memory(c) -> Iterator[str]:
     yield from _all(_flag(c, "memory.enabled"), _flag(c, "memory.hints"),
-                    _flag(c, "memory.reuse"),
+                    _flag(c, "memory.reuse"), _flag(c, "memory.in_rollouts"),
                     _number(c, "memory.capacity", low=1, integer=True),
                     _number(c, "memory.response_len", low=1, integer=True),
                     _number(c, "memory.request_len", low=1, integer=True),

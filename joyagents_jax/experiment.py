@@ -205,7 +205,8 @@ class Experiment:
     def policy(self, train: ts.TrainState, key: jax.Array, greedy: bool = False
                ) -> rollout.SamplerPolicy:
         scfg = dataclasses.replace(self.parts.sampling, greedy=greedy)
-        policy = rollout.SamplerPolicy(self.samplers, self.slots, scfg, self.tokenizer, key)
+        policy = rollout.SamplerPolicy(self.samplers, self.slots, scfg, self.tokenizer, key,
+                                       tempered=self.config.grpo.tempered_loss)
         policy.params = {g: grp.params for g, grp in train.groups.items()}
         return policy
 
@@ -229,9 +230,9 @@ class Experiment:
         """
         start, k = time.perf_counter(), int(run.step) - self.config.sft.steps
         key = jax.random.fold_in(jax.random.key(self.config.seed), 2_000_003 + k)
+        memory = self.memory_view(run) if self.config.memory.in_rollouts else None
         result = rollout.Rollout(self.system, self.tokenizer, self.policy(run.train, key),
-                                 self.parts.rollout, self.memory_view(run)
-                                 ).run(self.train_tasks(k))
+                                 self.parts.rollout, memory).run(self.train_tasks(k))
         metrics = self._rollout_metrics(result, time.perf_counter() - start)
         trained = self._trainable(result.samples, metrics)
         train = run.train
@@ -252,13 +253,17 @@ class Experiment:
         (select="groups") in a node group with a reward spread. Logs the rest."""
         fits = [s for s in samples if len(s.prompt_ids) + len(s.output_ids) <= self.config.max_len]
         finite = [s for s in fits if math.isfinite(s.reward)]  # a bad reward trains nothing
-        trained = batching.informative(finite) if self.config.grpo.select == "groups" else finite
+        own = finite
+        if self.config.grpo.memory_groups == "drop":  # rewards the policies alone earned
+            own = [s for s in finite if not s.memory_downstream]
+        trained = batching.informative(own) if self.config.grpo.select == "groups" else own
         for agent in self.config.agents:  # over all rollout samples, not only the trained ones
             rewards = [s.reward for s in finite if s.agent == agent]
             metrics[f"grpo/reward/{agent}"] = float(np.mean(rewards)) if rewards else 0.0
         metrics.update({"grpo/trained_samples": len(trained),
                         "grpo/dropped_too_long": len(samples) - len(fits),
-                        "grpo/nonfinite_rewards": len(fits) - len(finite)})
+                        "grpo/nonfinite_rewards": len(fits) - len(finite),
+                        "grpo/memory_dropped": len(finite) - len(own)})
         return trained
 
     def _update(self, train: ts.TrainState, samples: list[rollout.Sample], metrics: dict

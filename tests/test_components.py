@@ -17,7 +17,7 @@ CHANGED = {
     "grpo.micro_batch": 4, "grpo.inner_steps": 3, "grpo.beta": 0.01, "grpo.eps_low": 0.1,
     "grpo.eps_high": 0.3, "grpo.kl": "k1", "grpo.aggregation": "token_mean",
     "grpo.advantage": "loo", "grpo.learning_rate": 1e-6, "grpo.warmup_steps": 4,
-    "grpo.clip_norm": 0.7, "grpo.temperature": 0.9, "grpo.top_p": 0.9, "grpo.top_k": 20,
+    "grpo.clip_norm": 0.7, "grpo.temperature": 0.9, "grpo.tempered_loss": True, "grpo.top_p": 0.9, "grpo.top_k": 20,
     "grpo.w_format": 0.2, "grpo.w_efficiency": 0.1,
     "memory.capacity": 7, "memory.response_len": 5, "memory.request_len": 6,
     "memory.tau_reuse": 0.99999, "memory.tau_hint": 0.999, "memory.hints": True, "memory.reuse": False,

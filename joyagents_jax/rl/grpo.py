@@ -183,6 +183,9 @@ class GRPOConfig:
     kl: Literal["k1", "k2", "k3"] = "k3"
     aggregation: Aggregation = "seq_mean_token_mean"
     max_len: int | None = None  # Dr. GRPO's constant normalizer; None uses T.
+    # The policy the loss scores: softmax(logits / temperature). The rollout's temperature
+    # makes the ratio, KL and entropy those of the distribution the samples were drawn from.
+    temperature: float = 1.0
 
 
 def grpo_loss(

@@ -131,10 +131,10 @@ def advantages(batch: GRPOBatch, cfg: GRPOStepConfig) -> dict[str, jax.Array]:
 # ----------------------------------------------------------------------------------------------
 
 
-def _logprobs(model: qwen2.Qwen2Config, params: qwen2.Params, tokens: jax.Array,
-              mask: jax.Array) -> jax.Array:
-    """log pi(tokens[:, 1:]) under params. tokens, mask: [B, T] -> [B, T-1]."""
-    return grpo.token_logprobs(next_token_logits(model, params, tokens, mask), tokens[:, 1:])
+def _logits(model: qwen2.Qwen2Config, params: qwen2.Params, tokens: jax.Array,
+            mask: jax.Array, temperature: float) -> jax.Array:
+    """Next-token logits of the policy the loss scores. tokens, mask: [B, T] -> [B, T-1, V]."""
+    return next_token_logits(model, params, tokens, mask) / temperature
 
 
 def _masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
@@ -158,7 +158,7 @@ def agent_loss(model: qwen2.Qwen2Config, cfg: grpo.GRPOConfig,
     forward's own log-prob (without gradient). Metrics keep the counts that weight them when
     micro-batches are combined: "denom" (the loss's), "live" and "generated" tokens.
     """
-    logits = next_token_logits(model, params, tokens, mask)
+    logits = _logits(model, params, tokens, mask, cfg.temperature)
     logp = grpo.token_logprobs(logits, tokens[:, 1:])
     logp_old = jnp.where(first, jax.lax.stop_gradient(logp), logp_old)
     loss, metrics = grpo.grpo_loss(logp, logp_old, logp_ref, adv, targets, weights, cfg)
@@ -248,11 +248,11 @@ def _check_batch(state: ts.TrainState, batch: GRPOBatch) -> None:
                              f"{group.num_agents} agents.")
 
 
-def _reference_logprobs(group: ts.AgentGroup, r: Rollouts, beta: float,
+def _reference_logprobs(group: ts.AgentGroup, r: Rollouts, loss: grpo.GRPOConfig,
                         micro_batch: int | None = None) -> jax.Array | None:
     """logp_ref of every sample [A, B, T-1] (micro-batch by micro-batch), or None when the KL
     term is off."""
-    if not beta:
+    if not loss.beta:
         return None
     if group.ref_params is None:
         raise ValueError("beta > 0 needs reference params (init_group(..., reference=True); "
@@ -261,7 +261,8 @@ def _reference_logprobs(group: ts.AgentGroup, r: Rollouts, beta: float,
     size = _micro_size(rows, micro_batch)
 
     def one_agent(params, tokens, mask):  # [B, T] -> [B, T-1]
-        per_micro = lambda tm: _logprobs(group.model, params, *tm)
+        per_micro = lambda tm: grpo.token_logprobs(
+            _logits(group.model, params, *tm, loss.temperature), tm[0][:, 1:])
         return jax.lax.map(per_micro, (_micro(tokens, size), _micro(mask, size))).reshape(
             rows, -1)
 
@@ -310,7 +311,7 @@ def grpo_step(state: ts.TrainState, batch: GRPOBatch, cfg: GRPOStepConfig
         rows = slice(offsets[name], offsets[name] + group.num_agents)
         targets[name] = r.loss_mask[..., 1:].astype(bool)
         inputs[name] = (r.tokens, r.mask, targets[name],
-                        _reference_logprobs(group, r, cfg.loss.beta, cfg.micro_batch), adv[name],
+                        _reference_logprobs(group, r, cfg.loss, cfg.micro_batch), adv[name],
                         grpo.sample_weights(kept, r.group_ids))
         updates[name] = update[rows]
         logp_old[name] = jnp.zeros(targets[name].shape, jnp.float32)  # set by the first step

@@ -52,7 +52,7 @@ class Generation(NamedTuple):
 
     text: str
     tokens: np.ndarray  # [n] int32, the output tokens (through the stop)
-    logp: np.ndarray  # [n] f32, the sampler's log-probs
+    logp: np.ndarray  # [n] f32, the sampler's log-probs (SamplerPolicy.tempered says which)
     truncated: bool  # ran out of tokens before a stop
 
 
@@ -117,6 +117,9 @@ class Sample(NamedTuple):
     group: int  # node group id, unique within the rollout
     query: int  # index of the query in the batch
     node: int  # node index in its episode
+    # Its reward also reflects the memory: a member of its node group (trajectory: its
+    # episode) has a memory-answered node after the branch point.
+    memory_downstream: bool = False
 
 
 @dataclasses.dataclass
@@ -261,8 +264,10 @@ class Rollout:
         for group, (q, i) in enumerate(points):
             members = [tau0[q]] + children[k:k + g - 1]
             k += g - 1
+            downstream = any(n.from_memory for t in members for n in t.episode.nodes[i + 1:])
             for trace in members:
-                samples.append(self._sample_of(trace, i, self._reward(trace, tasks[q]), group, q))
+                samples.append(self._sample_of(trace, i, self._reward(trace, tasks[q]), group, q
+                                               )._replace(memory_downstream=downstream))
         return samples, tau0
 
     def _trajectory(self, tasks, counters):
@@ -280,7 +285,9 @@ class Rollout:
                     if node.from_memory:
                         continue
                     group = groups.setdefault((q, node.agent), len(groups))
-                    samples.append(self._sample_of(trace, i, p, group, q)._replace(reward=float(a)))
+                    samples.append(self._sample_of(trace, i, p, group, q)._replace(
+                        reward=float(a),
+                        memory_downstream=any(n.from_memory for n in trace.episode.nodes)))
         return samples, traces
 
     def _full_tree(self, tasks, counters):
@@ -371,11 +378,14 @@ class SamplerPolicy:
 
     agent_slots: agent -> (group name, index in that group's stacked params). Set `params`
     ({group: stacked params}) and `key` before sampling; each call splits the key.
+    `tempered`: generations carry their tokens' log-probs under the sampling distribution
+    (the policy a tempered GRPO loss scores) rather than the raw policy's.
     """
 
-    def __init__(self, samplers, agent_slots, scfg, tokenizer, key):
+    def __init__(self, samplers, agent_slots, scfg, tokenizer, key, tempered: bool = False):
         self.samplers, self.agent_slots, self.scfg = samplers, agent_slots, scfg
         self.tokenizer, self.key, self.params = tokenizer, key, None
+        self.tempered = tempered
         self.calls = 0
 
     def sample(self, inputs: Sequence[NodeInput], group_size: int) -> list[list[Generation]]:
@@ -415,5 +425,6 @@ class SamplerPolicy:
     def _generation(self, samples, row: int, g: int) -> Generation:
         n = int(samples.lengths[row, g])
         tokens = samples.tokens[row, g, :n]
-        return Generation(self.tokenizer.decode(tokens), tokens, samples.logp_sample[row, g, :n],
+        logp = samples.logp_sample if self.tempered else samples.logp_policy
+        return Generation(self.tokenizer.decode(tokens), tokens, logp[row, g, :n],
                           truncated=not bool(samples.stopped[row, g]))

@@ -272,11 +272,11 @@ BANDIT_AGENTS, PROMPTS, GROUP_SIZE, TARGETS = 3, 4, 8, np.array([5, 11, 17])
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _sample(model, params, prompts, key):
-    """One token per prompt from the current policies. prompts [A, B, P] -> tokens [A, B, P+1]
-    and the sampler's log-prob of each token (aligned, 0 on the prompt)."""
+def _sample(model, params, prompts, key, temperature=1.0):
+    """One token per prompt from the current policies at `temperature`. prompts [A, B, P] ->
+    tokens [A, B, P+1] and the sampler's log-prob of each token (aligned, 0 on the prompt)."""
     def one(p, prompt, k):
-        logits = qwen2.forward(model, p, prompt).logits[:, -1]
+        logits = qwen2.forward(model, p, prompt).logits[:, -1] / temperature
         tok = jax.random.categorical(k, logits)
         logp = jnp.take_along_axis(jax.nn.log_softmax(logits), tok[:, None], -1)
         return tok, logp[:, 0]
@@ -287,15 +287,17 @@ def _sample(model, params, prompts, key):
     return tokens, logps
 
 
-def test_grpo_raises_the_reward_on_a_bandit():
-    """Reward 1 when an agent's generated token is its target (chance 1/32 at the start).
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_grpo_raises_the_reward_on_a_bandit(temperature):
+    """Reward 1 when an agent's generated token is its target (chance ~1/32 at the start).
 
     K = 6 of the 12 node groups, so this also trains through the marginal-benefit mask. The
-    sampler and the trainer run the same params, so their log-prob gap (~0) shows that logp_old
-    is taken before the first update.
+    sampler and the trainer run the same params and, with a tempered loss, the same
+    temperature, so their log-prob gap (~0) shows that logp_old is taken before the first
+    update and that the loss scores the distribution the tokens were drawn from.
     """
     cfg = gs.GRPOStepConfig(topk=BANDIT_AGENTS * PROMPTS // 2, inner_steps=2,
-                            loss=grpo.GRPOConfig(beta=0.0))
+                            loss=grpo.GRPOConfig(beta=0.0, temperature=temperature))
     state = ts.create({"subs": ts.init_group(SUB, OPTIM, _random_params(SUB, BANDIT_AGENTS, 3))})
     step = gs.make_grpo_step(cfg)
     rng = np.random.default_rng(0)
@@ -308,7 +310,7 @@ def test_grpo_raises_the_reward_on_a_bandit():
     rewards, gaps, sample_key = [], [], jax.random.key(42)
     for _ in range(20):
         sample_key, key = jax.random.split(sample_key)
-        tokens, logp = _sample(SUB, state.groups["subs"].params, prompts, key)
+        tokens, logp = _sample(SUB, state.groups["subs"].params, prompts, key, temperature)
         reward = (tokens[..., -1] == TARGETS[:, None]).astype(jnp.float32)
         batch = gs.GRPOBatch({"subs": gs.Rollouts(
             tokens=tokens, mask=jnp.ones(tokens.shape, bool), loss_mask=loss_mask,

@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from joyagents_jax.agents import system
+from joyagents_jax.agents import protocol, system
 from joyagents_jax.data import assistant_suite as suite
 from joyagents_jax.models import qwen2
 from joyagents_jax.rl import rollout
@@ -116,6 +116,40 @@ def test_nodewise_reward_comes_from_each_alternatives_own_completion(examples, s
     math_answer_node = 2
     assert by_node[math_answer_node] == pytest.approx([1.1, 0.1, 0.1])  # wrong answers propagate
     assert by_node[0] == pytest.approx([1.1, 1.1, 1.1])  # routing alternatives complete correctly
+
+
+class MathMemory:
+    """Test double: answers every math-agent node from "memory" with `script`'s output."""
+
+    def __init__(self, script, sys_):
+        self.script, self.sys_ = script, sys_
+
+    def lookup(self, requests):
+        out = []
+        for r in requests:
+            if r.agent != "math":
+                out.append(None)
+                continue
+            prompt = protocol.render_prompt(TOK, self.sys_.specs[r.agent], r.query, r.turns)
+            text = self.script(rollout.NodeInput(r.agent, prompt, [], "sub"), 0, 1)
+            ids = np.asarray(TOK.encode(text), np.int32)
+            out.append(rollout.Reuse(rollout.Generation(text, ids, np.zeros(len(ids)), False), 0))
+        return out
+
+
+@pytest.mark.parametrize("mode", ["nodewise", "trajectory"])
+def test_samples_whose_reward_depends_on_a_memory_answer_are_marked(examples, sys_, mode):
+    ex = examples["math"]
+    script = gold_script([ex])
+    result = rollout.Rollout(sys_, TOK, ScriptedPolicy(script), rollout.RolloutConfig(mode, 2),
+                             MathMemory(script, sys_)).run([_task(ex)])
+    nodes = result.episodes[0].episode.nodes
+    memory_at = [i for i, n in enumerate(nodes) if n.from_memory]
+    assert memory_at and all(nodes[i].agent == "math" for i in memory_at)
+    assert {s.agent for s in result.samples} == {"master"}  # memory nodes are never trained
+    for s in result.samples:  # node-wise: a memory node after the branch; trajectory: any
+        assert s.memory_downstream == (mode == "trajectory" or s.node < max(memory_at))
+    assert any(not s.memory_downstream for s in result.samples) == (mode == "nodewise")
 
 
 def test_full_tree_counts_the_product(examples, sys_):
