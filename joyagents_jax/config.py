@@ -55,7 +55,10 @@ def get_config() -> ml_collections.ConfigDict:
     # 3 seeds, against -4 to +6.5 with 6. Rollouts sample at temperature 0.3: at 0.7 a tiny
     # policy's sample is 11-19 points worse than its greedy answer and G = 4 samples find no more
     # answers than greedy decoding; at 0.3 a sample is as good and 8 find 14 points more
-    # (benchmarks/RESULTS.md, "a diagnosis").
+    # (benchmarks/RESULTS.md, "a diagnosis"). tempered_loss: the loss scores softmax(logits /
+    # temperature), the distribution the rollouts drew from (False: the raw policy).
+    # memory_groups="drop" leaves out node groups whose rewards a memory answer after the branch
+    # point decided, so GRPO learns only from rewards the policies earned ("keep": all).
     c.grpo = ml_collections.ConfigDict(dict(
         steps=30, queries=12, group_size=4, mode="nodewise", topk=5, select="groups",
         micro_batch=16, inner_steps=2, beta=0.04, eps_low=0.2, eps_high=0.28, kl="k3",
@@ -66,7 +69,9 @@ def get_config() -> ml_collections.ConfigDict:
 
     # Reuse needs a (near-)identical node input: with mean-pooled embeddings of a tiny model,
     # different prompts of one agent reach cosine 0.9996 (measured). Hints are off by default
-    # (hints=False): SFT never shows hints, so a tiny model cannot use them.
+    # (hints=False): SFT never shows hints, so a tiny model cannot use them. in_rollouts: the
+    # memory answers the nodes of GRPO's training rollouts too (False: evaluation only; it is
+    # still written from the rollouts' rewards).
     c.memory = ml_collections.ConfigDict(dict(
         enabled=True, capacity=256, response_len=96, request_len=64, tau_reuse=0.99995,
         tau_hint=0.9995, hints=False, reuse=True, reuse_min_reward=1.0, tau_dup=0.99995, z=1.96,
