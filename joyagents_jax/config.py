@@ -57,8 +57,8 @@ def get_config() -> ml_collections.ConfigDict:
     # answers than greedy decoding; at 0.3 a sample is as good and 8 find 14 points more
     # (benchmarks/RESULTS.md, "a diagnosis"). tempered_loss: the loss scores softmax(logits /
     # temperature), the distribution the rollouts drew from (False: the raw policy).
-    # memory_groups="drop" leaves out node groups whose rewards a memory answer after the branch
-    # point decided, so GRPO learns only from rewards the policies earned ("keep": all).
+    # memory_groups="drop" leaves out node groups whose episodes hold a memory answer, so GRPO
+    # learns only from episodes the policies produced alone ("keep": all).
     c.grpo = ml_collections.ConfigDict(dict(
         steps=30, queries=12, group_size=4, mode="nodewise", topk=5, select="groups",
         micro_batch=16, inner_steps=2, beta=0.04, eps_low=0.2, eps_high=0.28, kl="k3",

@@ -254,8 +254,8 @@ class Experiment:
         fits = [s for s in samples if len(s.prompt_ids) + len(s.output_ids) <= self.config.max_len]
         finite = [s for s in fits if math.isfinite(s.reward)]  # a bad reward trains nothing
         own = finite
-        if self.config.grpo.memory_groups == "drop":  # rewards the policies alone earned
-            own = [s for s in finite if not s.memory_downstream]
+        if self.config.grpo.memory_groups == "drop":  # episodes the policies alone produced
+            own = [s for s in finite if not s.uses_memory]
         trained = batching.informative(own) if self.config.grpo.select == "groups" else own
         for agent in self.config.agents:  # over all rollout samples, not only the trained ones
             rewards = [s.reward for s in finite if s.agent == agent]

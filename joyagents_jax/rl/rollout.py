@@ -117,9 +117,9 @@ class Sample(NamedTuple):
     group: int  # node group id, unique within the rollout
     query: int  # index of the query in the batch
     node: int  # node index in its episode
-    # Its reward also reflects the memory: a member of its node group (trajectory: its
-    # episode) has a memory-answered node after the branch point.
-    memory_downstream: bool = False
+    # The memory took part: an episode of its node group (trajectory: its episode) holds a
+    # memory-answered node, before the branch point (the context) or after it (the reward).
+    uses_memory: bool = False
 
 
 @dataclasses.dataclass
@@ -264,10 +264,10 @@ class Rollout:
         for group, (q, i) in enumerate(points):
             members = [tau0[q]] + children[k:k + g - 1]
             k += g - 1
-            downstream = any(n.from_memory for t in members for n in t.episode.nodes[i + 1:])
+            uses_memory = any(n.from_memory for t in members for n in t.episode.nodes)
             for trace in members:
                 samples.append(self._sample_of(trace, i, self._reward(trace, tasks[q]), group, q
-                                               )._replace(memory_downstream=downstream))
+                                               )._replace(uses_memory=uses_memory))
         return samples, tau0
 
     def _trajectory(self, tasks, counters):
@@ -287,7 +287,7 @@ class Rollout:
                     group = groups.setdefault((q, node.agent), len(groups))
                     samples.append(self._sample_of(trace, i, p, group, q)._replace(
                         reward=float(a),
-                        memory_downstream=any(n.from_memory for n in trace.episode.nodes)))
+                        uses_memory=any(n.from_memory for n in trace.episode.nodes)))
         return samples, traces
 
     def _full_tree(self, tasks, counters):

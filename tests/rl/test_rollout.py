@@ -138,7 +138,7 @@ class MathMemory:
 
 
 @pytest.mark.parametrize("mode", ["nodewise", "trajectory"])
-def test_samples_whose_reward_depends_on_a_memory_answer_are_marked(examples, sys_, mode):
+def test_samples_of_episodes_with_a_memory_answer_are_marked(examples, sys_, mode):
     ex = examples["math"]
     script = gold_script([ex])
     result = rollout.Rollout(sys_, TOK, ScriptedPolicy(script), rollout.RolloutConfig(mode, 2),
@@ -147,9 +147,10 @@ def test_samples_whose_reward_depends_on_a_memory_answer_are_marked(examples, sy
     memory_at = [i for i, n in enumerate(nodes) if n.from_memory]
     assert memory_at and all(nodes[i].agent == "math" for i in memory_at)
     assert {s.agent for s in result.samples} == {"master"}  # memory nodes are never trained
-    for s in result.samples:  # node-wise: a memory node after the branch; trajectory: any
-        assert s.memory_downstream == (mode == "trajectory" or s.node < max(memory_at))
-    assert any(not s.memory_downstream for s in result.samples) == (mode == "nodewise")
+    assert all(s.uses_memory for s in result.samples)
+    alone = rollout.Rollout(sys_, TOK, ScriptedPolicy(script), rollout.RolloutConfig(mode, 2)
+                            ).run([_task(ex)])
+    assert alone.samples and not any(s.uses_memory for s in alone.samples)
 
 
 def test_full_tree_counts_the_product(examples, sys_):
