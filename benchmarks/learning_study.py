@@ -36,6 +36,7 @@ from joyagents_jax import config as config_lib
 VARIANTS = {
     "sft_only": ("SFT only", {}),
     "default": ("the README default (JoyAgents-R1 as `joyagents train` runs it)", {}),
+    "lr_5e-5": ("the default at the previous learning rate 5e-5", {"grpo.learning_rate": 5e-5}),
     "trajectory": ("trajectory GRPO, all groups, no memory",
                    {"grpo.mode": "trajectory", "grpo.topk": 0, "memory.enabled": False}),
     "nodewise_all": ("node-wise, all groups, no memory",
