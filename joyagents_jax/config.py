@@ -65,8 +65,7 @@ def get_config() -> ml_collections.ConfigDict:
         micro_batch=16, inner_steps=2, beta=0.04, eps_low=0.2, eps_high=0.28, kl="k3",
         aggregation="seq_mean_token_mean", advantage="std", learning_rate=1e-5, warmup_steps=0,
         clip_norm=1.0, temperature=0.3, tempered_loss=False, top_p=1.0, top_k=0,
-        memory_groups="keep", w_format=0.1,
-        w_efficiency=0.05))
+        memory_groups="keep", w_format=0.1, w_efficiency=0.05))
 
     # Reuse needs a (near-)identical node input: with mean-pooled embeddings of a tiny model,
     # different prompts of one agent reach cosine 0.9996 (measured). Hints are off by default

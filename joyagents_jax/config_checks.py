@@ -234,6 +234,9 @@ def _grpo(c) -> Iterator[str]:
                     _number(c, "grpo.top_k", low=0, integer=True, why="0 = no top-k cut"),
                     _flag(c, "grpo.tempered_loss"), _choice(c, "grpo.memory_groups", MEMORY_GROUPS),
                     _number(c, "grpo.w_format", low=0), _number(c, "grpo.w_efficiency", low=0))
+    if g.memory_groups == "drop" and g.mode == "full_tree":
+        yield ("config.grpo.memory_groups=drop: full_tree rollouts do not mark memory-answered "
+               "episodes; use grpo.mode=nodewise or trajectory, or memory_groups=keep.")
     mb = g.micro_batch
     if isinstance(mb, int) and mb > 0 and mb & (mb - 1):
         yield (f"config.grpo.micro_batch={mb}: must be a power of two (rows per agent in one "
