@@ -249,8 +249,9 @@ class Experiment:
         return run.next(train, tables), metrics
 
     def _trainable(self, samples: list[rollout.Sample], metrics: dict) -> list[rollout.Sample]:
-        """The samples a GRPO step can learn from: fitting in max_len, a finite reward, and
-        (select="groups") in a node group with a reward spread. Logs the rest."""
+        """The samples a GRPO step can learn from: fitting in max_len, a finite reward, not
+        touched by the memory (memory_groups="drop"), and (select="groups") in a node group
+        with a reward spread. Logs the rest."""
         fits = [s for s in samples if len(s.prompt_ids) + len(s.output_ids) <= self.config.max_len]
         finite = [s for s in fits if math.isfinite(s.reward)]  # a bad reward trains nothing
         own = finite

@@ -281,13 +281,13 @@ class Rollout:
             parts = [self._reward(t, tasks[q]) for t in members]
             adv = episode_advantages(np.array([float(p.total) for p in parts]))
             for trace, a, p in zip(members, adv, parts):
+                uses_memory = any(n.from_memory for n in trace.episode.nodes)
                 for i, node in enumerate(trace.episode.nodes):
                     if node.from_memory:
                         continue
                     group = groups.setdefault((q, node.agent), len(groups))
                     samples.append(self._sample_of(trace, i, p, group, q)._replace(
-                        reward=float(a),
-                        uses_memory=any(n.from_memory for n in trace.episode.nodes)))
+                        reward=float(a), uses_memory=uses_memory))
         return samples, traces
 
     def _full_tree(self, tasks, counters):
