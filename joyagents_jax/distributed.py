@@ -14,11 +14,12 @@ process got the same, correct answer. The launch scripts run it like any other e
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +29,8 @@ from jax.experimental import multihost_utils
 from joyagents_jax import sharding
 
 CLUSTERS = ("auto", "explicit", "slurm", "tpu", "none")
+RUN_INFO = "run_info.json"
+T = TypeVar("T")
 
 
 def detect_cluster(env: Mapping[str, str] = os.environ) -> str:
@@ -107,6 +110,51 @@ def configure_logging(level: int = logging.INFO) -> None:
     logging.getLogger().setLevel(level if is_primary() else logging.ERROR)
 
 
+def to_host(tree: Any) -> Any:
+    """Every array of `tree` as numpy, whole, on every process: a global array sharded over
+    other processes' devices is gathered (a collective: call it on every process)."""
+    def one(x):
+        if not isinstance(x, jax.Array) or x.is_fully_addressable:
+            return np.asarray(x)
+        if x.is_fully_replicated:
+            return np.asarray(x.addressable_data(0))
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+    return jax.tree.map(one, tree)
+
+
+def barrier(name: str) -> None:
+    """Every process waits here until all arrive (nothing to do for a single process)."""
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
+
+
+def primary_first(name: str, fn: Callable[[], T]) -> T:
+    """`fn()` on process 0, then on the others once it returned: for work that writes shared
+    files (preparing a dataset, moving a workdir aside) and leaves them for the rest to read."""
+    out = fn() if is_primary() else None
+    barrier(name)
+    return out if is_primary() else fn()
+
+
+def run_info(mesh: jax.sharding.Mesh | None) -> dict[str, Any]:
+    """What this job runs on: processes, devices, mesh axis sizes, backend."""
+    return {"process_count": jax.process_count(), "global_device_count": jax.device_count(),
+            "local_device_count": jax.local_device_count(),
+            "mesh": dict(mesh.shape) if mesh is not None else {},
+            "backend": jax.default_backend()}
+
+
+def write_run_info(workdir: str, mesh: jax.sharding.Mesh | None) -> None:
+    """`<workdir>/run_info.json` (process 0 only), replaced atomically."""
+    if not is_primary():
+        return
+    path = os.path.join(workdir, RUN_INFO)
+    with open(path + ".tmp", "w") as f:
+        json.dump(run_info(mesh), f, indent=2)
+    os.replace(path + ".tmp", path)
+
+
 # ----------------------------------------------------------------------------------------------
 # Process-local data.
 # ----------------------------------------------------------------------------------------------
@@ -180,7 +228,8 @@ def check(mesh: jax.sharding.Mesh, rows_per_shard: int = 2, features: int = 8) -
     expected = float(np.sum(np.tanh(data @ w_host) ** 2))
     gathered = multihost_utils.process_allgather(mine)  # [processes]
     return {"process_results": np.asarray(gathered).reshape(-1).tolist(), "expected": expected,
-            "rows": (rows.start, rows.stop), "global_shape": x.shape}
+            "rows": (rows.start, rows.stop), "global_shape": x.shape,
+            "batch_to_host": bool(np.array_equal(to_host(x), data))}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -194,6 +243,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     initialize(cluster=args.cluster, timeout_s=args.timeout)
     out = check(sharding.make_mesh(args.mesh))
     ok = all(np.isclose(r, out["expected"], rtol=1e-5) for r in out["process_results"])
+    ok = ok and out["batch_to_host"]  # every process read the whole batch back
     if is_primary():
         print(f"processes {jax.process_count()}, devices {jax.device_count()}, global batch "
               f"{out['global_shape']}; process results {out['process_results']}, "

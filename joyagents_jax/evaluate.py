@@ -14,7 +14,7 @@ import sys
 
 import ml_collections
 
-from joyagents_jax import checkpoint, experiment, train
+from joyagents_jax import checkpoint, distributed, experiment, train
 from joyagents_jax import config as config_lib
 from joyagents_jax.run_state import RunState
 
@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     parser.add_argument("--examples", type=int, default=0, help="per split (0: all)")
     args = parser.parse_args(argv)
+    distributed.initialize()
     try:
         exp, run = load_run(args.workdir, args.step)
     except ValueError as e:
@@ -82,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             results[f"{split}, {name}"] = exp.evaluate(run, split, args.examples or None,
                                                        use_memory)
+    if not distributed.is_primary():  # every process evaluated; process 0 writes and prints
+        return 0
     out = os.path.join(args.workdir, f"eval_{int(run.step)}")
     with open(out + ".json", "w") as f:
         json.dump(results, f, indent=2)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import math
 import random
 import time
@@ -18,9 +19,11 @@ from collections.abc import Sequence
 import jax
 import ml_collections
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from joyagents_jax import batching, sft, sharding
-from joyagents_jax import components, config_checks
+from joyagents_jax import components, config_checks, distributed
 from joyagents_jax import train_state as ts
 from joyagents_jax.agents import demonstrator, protocol, system
 from joyagents_jax.data import assistant_suite as suite
@@ -58,7 +61,8 @@ class Experiment:
             self.tokenizer = load_tokenizer(config.tokenizer)
         except (OSError, ValueError) as e:
             raise ValueError(f"config.tokenizer: {e}") from e
-        self.sources = load_sources(config, workdir)
+        self.sources = distributed.primary_first(  # process 0 prepares the data once
+            "load_sources", lambda: load_sources(config, workdir))
         self.system = system.make_system(suite.suite_world(config.suite),
                                          agents=[a for a in config.agents if a != protocol.MASTER],
                                          limits=self.parts.limits)
@@ -77,20 +81,22 @@ class Experiment:
                                  f"use the checkpoint's own tokenizer (config.tokenizer).")
         self.group_sizes = {g: len(spec.agents) for g, spec in config.groups.items()}
         self.offsets = ts.offsets_of_sizes(self.group_sizes)
+        self.mesh = sharding.make_mesh(config.mesh) if config.mesh else None
         self.samplers = {g: Sampler(m, pad_id=self.tokenizer.pad_id, tokenizer=self.tokenizer,
                                     min_prompt_bucket=config.sampler.min_prompt_bucket,
-                                    min_batch_bucket=config.sampler.min_batch_bucket)
+                                    min_batch_bucket=config.sampler.min_batch_bucket,
+                                    mesh=self.mesh)
                          for g, m in self.models.items()}
-        self.mesh = sharding.make_mesh(config.mesh) if config.mesh else None
         self.min_rows = sharding.data_parallel_size(dict(self.mesh.shape)) if self.mesh else 1
         if config.sft.batch_per_agent % self.min_rows:
             raise ValueError(f"config.sft.batch_per_agent {config.sft.batch_per_agent} is not "
                              f"divisible by the mesh's data x fsdp size {self.min_rows}; use a "
                              f"multiple of it.")
         self.demos = self._demonstrations()
-        self._sft_step = sft.make_sft_step()
-        self._shared_sft_step = sft.make_sft_step(shared=True)
-        self._grpo_step = grpo_step.make_grpo_step(self.parts.grpo_step)
+        self._makers = {"sft": sft.make_sft_step,
+                        "shared_sft": functools.partial(sft.make_sft_step, shared=True),
+                        "grpo": functools.partial(grpo_step.make_grpo_step, self.parts.grpo_step)}
+        self._jitted = {}
         self.memory = (memory_hook.Context(self.system, self.tokenizer, self.slots,
                                            self.parts.memory)
                        if config.memory.enabled else None)
@@ -106,7 +112,8 @@ class Experiment:
 
     def init_run(self) -> RunState:
         """Step 0: random or checkpoint-loaded agents, SFT optimizer, no memory yet."""
-        return RunState.start(self._init_train())
+        run = RunState.start(self._init_train())
+        return run.replace(step=sharding.replicate(run.step, self.mesh))
 
     def _init_train(self) -> ts.TrainState:
         """Random or checkpoint-loaded agents, SFT optimizer, reference = initial params."""
@@ -132,8 +139,8 @@ class Experiment:
         groups = {n: ts.init_group(g.model, self.parts.grpo_optim, g.params)
                   for n, g in run.train.groups.items()}
         train = self._place(run.train.replace(groups=groups))
-        tables = ({} if self.memory is None else memory_hook.init_tables(
-            self.parts.memory, memory_hook.group_models(train)))
+        tables = ({} if self.memory is None else sharding.replicate(memory_hook.init_tables(
+            self.parts.memory, memory_hook.group_models(train)), self.mesh))
         return run.replace(train=train, memory=tables, phase="grpo")
 
     def _place(self, state: ts.TrainState) -> ts.TrainState:
@@ -141,13 +148,30 @@ class Experiment:
         return state if self.mesh is None else jax.device_put(
             state, ts.state_shardings(state, self.mesh))
 
-    def _place_batch(self, batch):
+    def _batch_shardings(self, batch):
         """Per-agent arrays split over agents and data-parallel devices; tables replicated."""
-        if self.mesh is None:
-            return batch
         if isinstance(batch, grpo_step.GRPOBatch):
-            return jax.device_put(batch, grpo_step.batch_shardings(batch, self.mesh))
-        return jax.device_put(batch, ts.agent_batch_shardings(batch, self.mesh))
+            return grpo_step.batch_shardings(batch, self.mesh)
+        return ts.agent_batch_shardings(batch, self.mesh)
+
+    def _run_step(self, name: str, state: ts.TrainState, batch) -> tuple[ts.TrainState, dict]:
+        """The jitted step `name` (built at first use) on host `batch`; metrics on the host.
+
+        On a mesh, its in/out shardings are explicit: the state's partition rules, the batch
+        over agents and data-parallel axes (each process places only its own devices' rows),
+        the metrics replicated.
+        """
+        if name not in self._jitted:
+            kw = {}
+            if self.mesh is not None:
+                state_sh = ts.state_shardings(state, self.mesh)
+                kw = dict(in_shardings=(state_sh, self._batch_shardings(batch)),
+                          out_shardings=(state_sh, NamedSharding(self.mesh, P())))
+            self._jitted[name] = self._makers[name](**kw)
+        if self.mesh is not None:
+            batch = jax.device_put(batch, self._batch_shardings(batch))
+        state, m = self._jitted[name](state, batch)
+        return state, distributed.to_host(m)
 
     def _demonstrations(self) -> dict[str, list[tuple[list[int], list[int]]]]:
         """Per agent, (context ids, output ids) of every node of one demonstration of every
@@ -185,8 +209,8 @@ class Experiment:
                 batch.append((agent, *pool[j]))
         arrays = batching.sft_batch(batch, self.slots, self.group_sizes, self.config.max_len,
                                     self.min_rows)  # demonstrations vary little in length
-        step_fn = self._shared_sft_step if step < self.config.sft.shared_steps else self._sft_step
-        train, m = step_fn(run.train, self._place_batch(arrays))
+        name = "shared_sft" if step < self.config.sft.shared_steps else "sft"
+        train, m = self._run_step(name, run.train, arrays)
         metrics = self._per_agent(m["agents"], "sft")
         metrics["sft/loss"] = float(np.mean([metrics[f"sft/loss/{a}"] for a in self.config.agents]))
         metrics["sft/skipped"] = float(m["skipped"])
@@ -243,6 +267,7 @@ class Experiment:
             memory_start = time.perf_counter()
             tables, m = memory_hook.update(self.memory, tables, memory_hook.group_models(train),
                                            result, int(run.step))
+            tables = sharding.replicate(tables, self.mesh)
             metrics.update({f"memory/{name}": v for name, v in m.items()})
             metrics["time/memory_update_seconds"] = time.perf_counter() - memory_start
         metrics["time/step_seconds"] = time.perf_counter() - start
@@ -273,7 +298,7 @@ class Experiment:
         batch = batching.grpo_batch(samples, self.slots, self.group_sizes, self.offsets,
                                     self.config.max_len, self.min_rows, self.config.pad_to_max_len)
         start = time.perf_counter()
-        train, m = jax.block_until_ready(self._grpo_step(train, self._place_batch(batch)))
+        train, m = jax.block_until_ready(self._run_step("grpo", train, batch))
         metrics["time/update_seconds"] = time.perf_counter() - start
         metrics.update(self._per_agent({g: {k: v for k, v in agent_m.items()
                                             if k != "mean_reward"}

@@ -15,7 +15,7 @@ import sys
 
 import jax
 
-from joyagents_jax import evaluate, tokenizers
+from joyagents_jax import distributed, evaluate, tokenizers
 from joyagents_jax.models import hf_io
 from joyagents_jax.rl import memory as memory_lib
 
@@ -24,26 +24,32 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "me
 
 
 def export(workdir: str, out: str, step: int | None = None, dtype: str | None = None) -> list[str]:
-    """Exports the run's agents; returns the folders written."""
+    """Exports the run's agents; returns the folders written. In a multi-process job every
+    process gathers the weights (a collective) and process 0 writes."""
     exp, run = evaluate.load_run(workdir, step)
-    os.makedirs(out, exist_ok=True)
+    primary = distributed.is_primary()
+    if primary:
+        os.makedirs(out, exist_ok=True)
     written = []
     for agent, (group, index) in exp.slots.items():
         g = run.train.groups[group]
-        params = jax.tree.map(lambda x: x[index], g.params)
+        params = distributed.to_host(jax.tree.map(lambda x: x[index], g.params))
         folder = os.path.join(out, agent)
         stops = list(exp.tokenizer.stop_ids)
-        hf_io.save_params(folder, g.model, params, dtype=dtype,
-                          generation_config={"eos_token_id": stops,
-                                             "pad_token_id": exp.tokenizer.pad_id})
-        _tokenizer_files(exp.config.tokenizer, folder)
+        if primary:
+            hf_io.save_params(folder, g.model, params, dtype=dtype,
+                              generation_config={"eos_token_id": stops,
+                                                 "pad_token_id": exp.tokenizer.pad_id})
+            _tokenizer_files(exp.config.tokenizer, folder)
         written.append(folder)
-    if run.memory:
-        memory_lib.dump(memory_lib.agent_tables(run.memory, exp.slots), exp.tokenizer,
+    tables = distributed.to_host(run.memory)
+    if primary and tables:
+        memory_lib.dump(memory_lib.agent_tables(tables, exp.slots), exp.tokenizer,
                         os.path.join(out, "memory.jsonl"))
-    with open(os.path.join(out, "export.json"), "w") as f:
-        json.dump({"workdir": os.path.abspath(workdir), "step": int(run.step),
-                   "agents": sorted(exp.slots)}, f, indent=2)
+    if primary:
+        with open(os.path.join(out, "export.json"), "w") as f:
+            json.dump({"workdir": os.path.abspath(workdir), "step": int(run.step),
+                       "agents": sorted(exp.slots)}, f, indent=2)
     return written
 
 
@@ -64,9 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     parser.add_argument("--dtype", default=None, help="e.g. bfloat16 (default: as trained)")
     args = parser.parse_args(argv)
+    distributed.initialize()
     try:
         for folder in export(args.workdir, args.out, args.step, args.dtype):
-            print(f"wrote {folder}")
+            if distributed.is_primary():
+                print(f"wrote {folder}")
     except ValueError as e:
         print(f"joyagents export: {e}", file=sys.stderr)
         return 2

@@ -20,6 +20,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from joyagents_jax import distributed, sharding
 from joyagents_jax.models import qwen2
 from joyagents_jax.models.qwen2 import Params, Qwen2Config
 
@@ -180,10 +184,15 @@ class Sampler:
 
     def __init__(self, cfg: Qwen2Config, *, pad_id: int, tokenizer=None,
                  max_cache_length: int | None = None, min_prompt_bucket: int = 16,
-                 min_batch_bucket: int = 1):
-        """tokenizer: needed for stop strings; its vocab_size also bounds the drawn ids."""
+                 min_batch_bucket: int = 1, mesh: jax.sharding.Mesh | None = None):
+        """tokenizer: needed for stop strings; its vocab_size also bounds the drawn ids.
+        mesh: prompts are split over its data-parallel axes and the samples come back
+        replicated, so every process reads them all (params keep their own shardings)."""
         self.cfg, self.pad_id, self.tokenizer = cfg, pad_id, tokenizer
         self.max_cache_length = max_cache_length or cfg.max_position_embeddings
+        self.mesh, self.data_parallel = mesh, 1
+        if mesh is not None:
+            self.data_parallel = sharding.data_parallel_size(dict(mesh.shape))
         self.min_prompt_bucket, self.min_batch_bucket = min_prompt_bucket, min_batch_bucket
         vocab_limit = getattr(tokenizer, "vocab_size", None)
         if vocab_limit is not None and vocab_limit > cfg.vocab_size:
@@ -199,10 +208,11 @@ class Sampler:
             return generate_arrays(cfg, scfg, group_size, params, tokens, mask, stop_ids,
                                    stop_seqs, key, pad_id, vocab_limit)
 
-        self._one = jax.jit(core, static_argnums=(0, 1))
+        out = {} if mesh is None else {"out_shardings": NamedSharding(mesh, P())}
+        self._one = jax.jit(core, static_argnums=(0, 1), **out)
         self._per_agent = jax.jit(
             lambda scfg, g, *args: jax.vmap(lambda *a: core(scfg, g, *a))(*args),
-            static_argnums=(0, 1))
+            static_argnums=(0, 1), **out)
 
     def generate(self, params: Params, prompts: Sequence[Sequence[int]], *, key: jax.Array,
                  scfg: SamplingConfig, group_size: int = 1, stop_ids=(), stop_strings=(),
@@ -215,7 +225,7 @@ class Sampler:
         if agent is not None:
             params = jax.tree.map(lambda x: x[agent], params)
         arrays = self._prepare([prompts], scfg, group_size, stop_ids, stop_strings)
-        out = self._one(scfg, group_size, params, *[a[0] for a in arrays], key)
+        out = self._one(scfg, group_size, params, *self._place([a[0] for a in arrays]), key)
         return self._finish(out, self._per_prompt(stop_strings, [prompts])[0])
 
     def generate_per_agent(self, params: Params, prompts: Sequence[Sequence[Sequence[int]]], *,
@@ -232,7 +242,8 @@ class Sampler:
                              f"{num_agents} stacked agents; pass one list per agent.")
         arrays = self._prepare(prompts, scfg, group_size, stop_ids, stop_strings)
         keys = jax.random.split(key, num_agents)
-        out = self._per_agent(scfg, group_size, params, *arrays, keys)
+        out = self._per_agent(scfg, group_size, params, *self._place(arrays, stacked=True),
+                              keys)
         strings = self._per_prompt(stop_strings, prompts)
         return [self._finish(jax.tree.map(lambda x: x[a], out), strings[a])
                 for a in range(num_agents)]
@@ -260,6 +271,7 @@ class Sampler:
                              f"{self.max_cache_length}; shorten the prompt or lower max_new_tokens.")
         p_len = min(p_len, self.max_cache_length - scfg.max_new_tokens)
         b = bucket(max(len(p) for p in prompt_lists), self.min_batch_bucket)
+        b = -(-b // self.data_parallel) * self.data_parallel  # splits over the mesh
 
         stop_rows = self._stop_ids(stop_ids, prompt_lists)
         strings = self._per_prompt(stop_strings, prompt_lists)
@@ -285,6 +297,12 @@ class Sampler:
                 for m, s in enumerate(row):
                     stop_seqs[a, i, m, max_w - len(seqs[s]):] = seqs[s]
         return tokens, mask, stops, stop_seqs
+
+    def _place(self, arrays, stacked: bool = False):
+        """Host arrays [(A,) B, ...] split over the mesh's data-parallel axes (as is without one)."""
+        if self.mesh is None:
+            return arrays
+        return jax.device_put(arrays, sharding.batch_sharding(self.mesh, stacked))
 
     def _check_ids(self, ids, what):
         bad = [t for t in ids if not 0 <= int(t) < self.cfg.vocab_size]
@@ -327,7 +345,7 @@ class Sampler:
 
     def _finish(self, out: Samples, stop_strings: list[tuple[str, ...]]) -> Samples:
         """Drops padding rows; cuts at stop strings that the token tail did not spell exactly."""
-        out = Samples(*(np.array(x[:len(stop_strings)]) for x in out))
+        out = Samples(*(np.array(x[:len(stop_strings)]) for x in distributed.to_host(out)))
         for b, g in np.ndindex(out.lengths.shape):
             if stop_strings[b]:
                 self._cut_at_stop_string(out, b, g, stop_strings[b])

@@ -250,6 +250,14 @@ def load_hf_params(folder: str, mesh: Mesh, rules: Rules = DEFAULT_RULES, *,
 # Batches.
 # ----------------------------------------------------------------------------------------------
 
+def replicate(tree: Any, mesh: Mesh | None) -> Any:
+    """`tree` replicated on every device of `mesh` (as it is without a mesh): host values,
+    one-device arrays and sharded global arrays alike, so jitted steps over the mesh accept it."""
+    if mesh is None:
+        return tree
+    return jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, P()))(tree)
+
+
 def data_parallel_size(mesh_sizes: Mapping[str, int]) -> int:
     return math.prod(mesh_sizes[a] for a in BATCH_AXES)
 

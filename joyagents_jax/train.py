@@ -24,7 +24,8 @@ import sys
 import jax
 import ml_collections
 
-from joyagents_jax import checkpoint, config_checks, experiment, metrics, plots, preemption
+from joyagents_jax import checkpoint, config_checks, distributed, experiment, metrics, plots
+from joyagents_jax import preemption
 from joyagents_jax import workdir as workdir_lib
 from joyagents_jax.run_state import RunState
 
@@ -43,13 +44,14 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
     run already reached its last step is left as it is.
     """
     config_checks.validate(config)
-    workdir_lib.check(config, workdir)
+    distributed.primary_first("workdir_check", lambda: workdir_lib.check(config, workdir))
     final = workdir_lib.finished(config, workdir)
     if final is not None:
         report(final, workdir, already=True)
         return final
     primary = jax.process_index() == 0
     exp = experiment.Experiment(config, workdir)
+    distributed.write_run_info(workdir, exp.mesh)
     total = config.sft.steps + config.grpo.steps
 
     with checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep,
@@ -248,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     flags_ = parse_config_flags("joyagents train", argv, USAGE)
     if isinstance(flags_, int):
         return flags_
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    distributed.initialize()  # a multi-process launch joins its peers; one process: nothing
     try:
         train(flags_.config, flags_.workdir)
     except ValueError as e:  # bad config, workdir or input: a clear message, no traceback

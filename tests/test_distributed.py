@@ -68,6 +68,19 @@ def test_global_batch_single_process():
     assert out["tokens"].sharding.spec == sharding.batch_spec()
 
 
+def test_primary_first_and_run_info_in_one_process(tmp_path):
+    calls = []
+    assert distributed.primary_first("t", lambda: calls.append(1) or "value") == "value"
+    assert calls == [1]
+    mesh = sharding.make_mesh("fsdp=-1")
+    distributed.write_run_info(str(tmp_path), mesh)
+    info = json.load(open(tmp_path / distributed.RUN_INFO))
+    assert info == {"process_count": 1, "global_device_count": jax.device_count(),
+                    "local_device_count": jax.local_device_count(),
+                    "mesh": {"agent": 1, "data": 1, "fsdp": jax.device_count(), "tensor": 1},
+                    "backend": "cpu"}
+
+
 def local_batch_report() -> dict:
     """Runs with 8 fake devices: global arrays and the local-batch divisibility error."""
     mesh = sharding.make_mesh("data=2,fsdp=4")
@@ -82,14 +95,15 @@ def local_batch_report() -> dict:
     return {"equal": bool((np.asarray(out) == x).all()),
             "stacked_equal": bool((np.asarray(stacked) == np.stack([x, -x])).all()),
             "shard": list(out.addressable_shards[0].data.shape),
-            "stacked_shard": list(stacked.addressable_shards[0].data.shape), "error": error}
+            "stacked_shard": list(stacked.addressable_shards[0].data.shape), "error": error,
+            "to_host": bool((distributed.to_host({"x": out})["x"] == x).all())}
 
 
 def test_global_batch_on_8_devices():
     out = run_python("import json; from tests.test_distributed import local_batch_report; "
                      "print('REPORT' + json.dumps(local_batch_report()))")
     r = json.loads(out.split("REPORT", 1)[1])
-    assert r["equal"] and r["stacked_equal"]
+    assert r["equal"] and r["stacked_equal"] and r["to_host"]
     assert r["shard"] == [2, 3] and r["stacked_shard"] == [2, 2, 3]
     assert r["error"] == ("Process 0 feeds 12 rows (dimension 0 of a local batch of shape "
                           "(12, 3)), not divisible by the 8 data-parallel shards on its devices; "

@@ -187,6 +187,16 @@ def test_batch_not_divisible_error():
                             "data=2 × fsdp=2); use a multiple of 4.")
 
 
+def test_replicate_places_host_values_on_every_device():
+    mesh = sharding.make_mesh()
+    tree = {"step": np.int32(3), "table": np.arange(6.0).reshape(2, 3)}
+    out = sharding.replicate(tree, mesh)
+    for k in tree:
+        assert out[k].sharding.is_fully_replicated and out[k].sharding.mesh == mesh
+        np.testing.assert_array_equal(out[k], tree[k])
+    assert sharding.replicate(tree, None) is tree
+
+
 def test_batch_specs():
     assert sharding.batch_spec() == P(("data", "fsdp"))
     assert sharding.batch_spec(stacked=True) == P("agent", ("data", "fsdp"))

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from joyagents_jax import distributed
 from joyagents_jax.agents import protocol
 from joyagents_jax.agents.system import AgentSystem, Request
 from joyagents_jax.models import qwen2
@@ -72,13 +73,13 @@ class MemoryView:
         by_agent = collections.defaultdict(list)
         for i, request in enumerate(requests):
             by_agent[self.ctx.slots[request.agent]].append(i)
-        entries = {g: np.asarray(t.valid.sum(-1)) for g, t in self.tables.items()}
+        entries = {g: distributed.to_host(t.valid.sum(-1)) for g, t in self.tables.items()}
         for (group, agent), idx in by_agent.items():
             if not entries[group][agent]:
                 continue
             queries = _embed(self.ctx, self.models[group], agent,
                              [_prompt_ids(self.ctx, requests[i]) for i in idx])
-            sim, slot, rows = jax.device_get(_lookup_agent(self.tables[group], agent, queries))
+            sim, slot, rows = distributed.to_host(_lookup_agent(self.tables[group], agent, queries))
             for k, i in enumerate(idx):
                 out[i] = self._decide(float(sim[k]), int(slot[k]), _pick(rows, k))
         return out
@@ -128,7 +129,7 @@ def _embed(ctx: Context, model: GroupModel, agent: int, rows: Sequence[Sequence[
         chunk = rows[start:start + size]
         tokens, mask = _left_pad(chunk, ctx.tokenizer.pad_id)
         keys = _embed_agent(model.model, model.ref_params, agent, tokens, mask)
-        out.append(np.asarray(keys)[:len(chunk)])
+        out.append(distributed.to_host(keys)[:len(chunk)])
     return np.concatenate(out)
 
 
@@ -173,10 +174,12 @@ def update(ctx: Context, tables: Mapping[str, mem.MemoryTable],
         records = _stack([_hit_records(hits[group, a]) for a in agents])
         tables[group], metrics = mem.update_stacked(
             stacked, cands, records, th, jnp.asarray(step, jnp.int32), ctx.cfg)
-        totals.update({k: int(v.sum()) for k, v in metrics.items() if k != "entries"})
+        totals.update({k: int(v.sum()) for k, v in distributed.to_host(metrics).items()
+                       if k != "entries"})
     c = result.counters
     lookups = max(c.memory_lookups, 1)
-    return tables, {"entries": sum(int(t.valid.sum()) for t in tables.values()), "inserts": 0,
+    entries = sum(int(distributed.to_host(t.valid.sum())) for t in tables.values())
+    return tables, {"entries": entries, "inserts": 0,
                     "replacements": 0, "evictions": 0, "deletions": 0, **totals,
                     "hit_rate": c.memory_hits / lookups, "hint_rate": c.memory_hints / lookups,
                     "llm_calls_saved": c.memory_hits}

@@ -1,0 +1,154 @@
+"""`joyagents train` as one JAX job over two processes (launch/multiprocess_cpu.sh, 2 x 4 CPU
+devices): the same metrics as one process with 8 devices and the same mesh, one writer, and a
+SIGKILLed process that ends the job and resumes to the uninterrupted run's metrics."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from joyagents_jax import metrics
+from tests.test_sharding import ROOT
+from tests.test_train import TIMING
+
+pytestmark = pytest.mark.slow
+
+# Every batch splits over fsdp=8; select=agents runs a GRPO update although a tiny SFT leaves
+# no reward spread, so the jitted GRPO step, the memory and the evaluations all take part.
+OVERRIDES = {"mesh": "fsdp=-1", "sft.steps": 3, "sft.batch_per_agent": 8, "grpo.steps": 3,
+             "grpo.queries": 2, "grpo.group_size": 2, "grpo.select": "agents",
+             "limits.max_tokens_per_node": 24, "eval.examples": 2, "eval.grpo_every": 2,
+             "checkpoint.every": 1, "sampler.min_prompt_bucket": 16, "pad_to_max_len": False}
+STEPS = 6
+HANG_TIMEOUT_S = 180  # the job must end this soon after a process dies (the launcher's promise)
+
+
+def _args(workdir, data_dir):
+    return ["train", f"--workdir={workdir}", f"--config.data_dir={data_dir}"] + [
+        f"--config.{k}={v}" for k, v in OVERRIDES.items()]
+
+
+def _launch(workdir, data_dir) -> subprocess.Popen:
+    env = {**os.environ, "PYTHON": sys.executable}
+    env.pop("XLA_FLAGS", None)
+    return subprocess.Popen(["bash", "launch/multiprocess_cpu.sh", "-n", "2", "-d", "4",
+                             *_args(workdir, data_dir)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 900) -> str:
+    """The job's output, decoded by hand: text mode would turn a progress bar's \r into lines."""
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"the job did not end in {timeout} s:\n{out.decode(errors='replace')[-6000:]}")
+    return out.decode(errors="replace")
+
+
+def _rows(workdir):
+    return [{k: v for k, v in r.items() if not any(t in k for t in TIMING) and k != "time"}
+            for r in metrics.read_metrics(workdir)]
+
+
+def _assert_same_metrics(a, b):
+    """Same steps and keys; values equal to float tolerance (collectives may sum differently)."""
+    ra, rb = _rows(a), _rows(b)
+    assert [r["step"] for r in ra] == [r["step"] for r in rb] == list(range(1, STEPS + 1))
+    for x, y in zip(ra, rb):
+        assert sorted(x) == sorted(y), (x["step"], set(x) ^ set(y))
+        for k in x:
+            if isinstance(x[k], str):
+                assert x[k] == y[k], (x["step"], k)
+            else:
+                np.testing.assert_allclose(x[k], y[k], rtol=1e-5, atol=1e-6,
+                                           err_msg=f"step {x['step']}: {k}")
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("suite"))
+
+
+@pytest.fixture(scope="module")
+def two_process_run(tmp_path_factory, data_dir):
+    """An uninterrupted two-process run: (workdir, its launcher output)."""
+    workdir = str(tmp_path_factory.mktemp("two_processes"))
+    proc = _launch(workdir, data_dir)
+    out = _finish(proc)
+    assert proc.returncode == 0, out[-6000:]
+    return workdir, out
+
+
+def test_two_processes_log_what_one_process_with_8_devices_logs(two_process_run, data_dir,
+                                                                 tmp_path):
+    workdir, out = two_process_run
+    one = str(tmp_path / "one_process")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    proc = subprocess.run([sys.executable, "-m", "joyagents_jax.cli", *_args(one, data_dir)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    _assert_same_metrics(workdir, one)
+    info = json.load(open(os.path.join(workdir, "run_info.json")))
+    assert info == {"process_count": 2, "global_device_count": 8, "local_device_count": 4,
+                    "mesh": {"agent": 1, "data": 1, "fsdp": 8, "tensor": 1}, "backend": "cpu"}
+    assert json.load(open(os.path.join(one, "run_info.json")))["process_count"] == 1
+
+
+def test_only_process_0_prints_and_writes(two_process_run):
+    _, out = two_process_run
+    lines = out.split("\n")  # a progress bar redraws with \r within one prefixed line
+    assert any(line.startswith("[p0]") and "train:" in line for line in lines)
+    assert any(line.startswith("[p0] Finished:") for line in lines)
+    assert not [line for line in lines if line.startswith("[p1]")
+                and any(w in line for w in ("train:", "Finished", "INFO", "WARNING"))], out[-6000:]
+
+
+def _pid_of_process(index: int, workdir: str) -> int:
+    """The pid of the job's process `index` (its JAX_PROCESS_ID), found through /proc."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace")
+            environ = open(f"/proc/{pid}/environ", "rb").read().decode(errors="replace")
+        except OSError:
+            continue
+        if workdir in cmdline and f"JAX_PROCESS_ID={index}\0" in environ and "python" in cmdline:
+            return int(pid)
+    raise AssertionError(f"no process {index} of the job on {workdir}")
+
+
+def test_a_killed_process_ends_the_job_and_a_rerun_resumes_to_the_same_metrics(
+        two_process_run, data_dir, tmp_path):
+    reference, _ = two_process_run
+    workdir = str(tmp_path / "killed")
+    proc = _launch(workdir, data_dir)
+    folder = os.path.join(workdir, "checkpoints")
+    start = time.time()
+    while not (os.path.isdir(folder) and any(d.isdigit() and int(d) >= 2
+                                             for d in os.listdir(folder))):
+        assert proc.poll() is None, f"the job ended early:\n{_finish(proc)[-6000:]}"
+        assert time.time() - start < 900, "no checkpoint appeared"
+        time.sleep(0.2)
+    os.kill(_pid_of_process(1, workdir), signal.SIGKILL)
+    out = _finish(proc, timeout=HANG_TIMEOUT_S)
+    assert proc.returncode != 0
+    assert "process 1 exited with status" in out
+    done = [r["step"] for r in _rows(workdir)]
+    assert done and max(done) < STEPS  # it stopped before the end
+
+    rerun = _launch(workdir, data_dir)
+    out = _finish(rerun)
+    assert rerun.returncode == 0, out[-6000:]
+    assert "Resumed from step" in out
+    _assert_same_metrics(workdir, reference)
+    final = lambda w: {k: v for k, v in json.load(open(os.path.join(w, "final_eval.json"))).items()
+                       if not any(t in k for t in TIMING)}
+    assert final(workdir) == pytest.approx(final(reference), rel=1e-5, abs=1e-6)
