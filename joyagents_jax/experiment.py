@@ -178,12 +178,19 @@ class Experiment:
         train example: its gold trajectory, with the configured demonstrator's detours."""
         demos = collections.defaultdict(list)
         source = self.sources["train"]
-        for i in range(len(source)):
-            ex = suite.decode(source[i])
-            outputs = demonstrator.outputs(self.system, [(n.agent, n.output) for n in ex.gold],
-                                           self.parts.demonstrator,
-                                           random.Random(f"{self.config.seed}/demo/{i}"))
-            episode = system.demonstration(self.system, ex.query, outputs)
+        examples = [suite.decode(source[i]) for i in range(len(source))]
+        outputs = [demonstrator.outputs(self.system, [(n.agent, n.output) for n in ex.gold],
+                                        self.parts.demonstrator,
+                                        random.Random(f"{self.config.seed}/demo/{i}"))
+                   for i, ex in enumerate(examples)]
+        most = max(map(len, outputs))
+        if most > self.parts.limits.max_nodes:
+            raise ValueError(f"config.limits.max_nodes={self.parts.limits.max_nodes}: the "
+                             f"longest SFT demonstration has {most} LLM nodes, more than an "
+                             f"episode may have; raise limits.max_nodes to at least {most}, or "
+                             f"lower the sft.demo_* rates.")
+        for ex, nodes in zip(examples, outputs):
+            episode = system.demonstration(self.system, ex.query, nodes)
             for node in episode.nodes:
                 prompt = protocol.render_prompt(self.tokenizer, self.system.specs[node.agent],
                                                 node.query, node.turns)

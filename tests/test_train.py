@@ -310,3 +310,10 @@ def test_demonstrations_longer_than_max_len_are_refused_before_any_step(tmp_path
                                          r"\d+ tokens.*raise max_len to at least \d+"):
         train.train(_config(data_dir=data_dir, max_len=64), str(workdir))
     assert not (workdir / "checkpoints").exists() or not os.listdir(workdir / "checkpoints")
+
+
+def test_demonstrations_with_more_nodes_than_max_nodes_are_refused_by_name(tmp_path, data_dir):
+    with pytest.raises(ValueError, match=r"config.limits.max_nodes=2: the longest SFT "
+                                         r"demonstration has \d+ LLM nodes.*raise "
+                                         r"limits.max_nodes to at least \d+"):
+        train.train(_config(data_dir=data_dir, **{"limits.max_nodes": 2}), str(tmp_path / "w"))
