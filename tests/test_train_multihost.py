@@ -1,6 +1,6 @@
 """`joyagents train` as one JAX job over two processes (launch/multiprocess_cpu.sh, 2 x 4 CPU
-devices): the same metrics as one process with 8 devices and the same mesh, one writer, and a
-SIGKILLed process that ends the job and resumes to the uninterrupted run's metrics."""
+devices): a SIGKILLed process ends the job, and the rerun resumes and logs the metrics of an
+uninterrupted run of one process with 8 devices and the same mesh; one process writes."""
 
 import json
 import os
@@ -18,10 +18,11 @@ from tests.test_train import TIMING
 
 pytestmark = pytest.mark.slow
 
-# Every batch splits over fsdp=8. select=agents runs the jitted GRPO step on the rollouts
+# Every batch splits over data=2 (one half per process) x fsdp=4 (params split within a
+# process, as on a pod where fsdp stays inside a host's fast interconnect). select=agents runs the jitted GRPO step on the rollouts
 # although a 2-step SFT leaves no reward spread (zero advantages: its loss, KL and norms are
 # compared, the parameters do not move); rollouts, memory and evaluations all take part.
-OVERRIDES = {"mesh": "fsdp=-1", "sft.steps": 2, "sft.batch_per_agent": 8, "grpo.steps": 2,
+OVERRIDES = {"mesh": "data=2,fsdp=-1", "sft.steps": 2, "sft.batch_per_agent": 8, "grpo.steps": 2,
              "grpo.queries": 2, "grpo.group_size": 2, "grpo.select": "agents",
              "limits.max_tokens_per_node": 16, "eval.examples": 2, "eval.grpo_every": 0,
              "checkpoint.every": 1}
@@ -78,41 +79,6 @@ def data_dir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("suite"))
 
 
-@pytest.fixture(scope="module")
-def two_process_run(tmp_path_factory, data_dir):
-    """An uninterrupted two-process run: (workdir, its launcher output)."""
-    workdir = str(tmp_path_factory.mktemp("two_processes"))
-    proc = _launch(workdir, data_dir)
-    out = _finish(proc)
-    assert proc.returncode == 0, out[-6000:]
-    return workdir, out
-
-
-def test_two_processes_log_what_one_process_with_8_devices_logs(two_process_run, data_dir,
-                                                                 tmp_path):
-    workdir, out = two_process_run
-    one = str(tmp_path / "one_process")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-    proc = subprocess.run([sys.executable, "-m", "joyagents_jax.cli", *_args(one, data_dir)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    _assert_same_metrics(workdir, one)
-    info = json.load(open(os.path.join(workdir, "run_info.json")))
-    assert info == {"process_count": 2, "global_device_count": 8, "local_device_count": 4,
-                    "mesh": {"agent": 1, "data": 1, "fsdp": 8, "tensor": 1}, "backend": "cpu"}
-    assert json.load(open(os.path.join(one, "run_info.json")))["process_count"] == 1
-
-
-def test_only_process_0_prints_and_writes(two_process_run):
-    _, out = two_process_run
-    lines = out.split("\n")  # a progress bar redraws with \r within one prefixed line
-    assert any(line.startswith("[p0]") and "train:" in line for line in lines)
-    assert any(line.startswith("[p0] Finished:") for line in lines)
-    assert not [line for line in lines if line.startswith("[p1]")
-                and any(w in line for w in ("train:", "Finished", "INFO", "WARNING"))], out[-6000:]
-
-
 def _pid_of_process(index: int, workdir: str) -> int:
     """The pid of the job's process `index` (its JAX_PROCESS_ID), found through /proc."""
     for pid in filter(str.isdigit, os.listdir("/proc")):
@@ -126,10 +92,11 @@ def _pid_of_process(index: int, workdir: str) -> int:
     raise AssertionError(f"no process {index} of the job on {workdir}")
 
 
-def test_a_killed_process_ends_the_job_and_a_rerun_resumes_to_the_same_metrics(
-        two_process_run, data_dir, tmp_path):
-    reference, _ = two_process_run
-    workdir = str(tmp_path / "killed")
+@pytest.fixture(scope="module")
+def killed_then_rerun(tmp_path_factory, data_dir):
+    """A two-process job whose process 1 is SIGKILLed once checkpoint 2 exists, then the same
+    command again: what each attempt printed and how it ended."""
+    workdir = str(tmp_path_factory.mktemp("two_processes"))
     proc = _launch(workdir, data_dir)
     folder = os.path.join(workdir, "checkpoints")
     start = time.time()
@@ -139,17 +106,45 @@ def test_a_killed_process_ends_the_job_and_a_rerun_resumes_to_the_same_metrics(
         assert time.time() - start < 900, "no checkpoint appeared"
         time.sleep(0.2)
     os.kill(_pid_of_process(1, workdir), signal.SIGKILL)
-    out = _finish(proc, timeout=HANG_TIMEOUT_S)
-    assert proc.returncode != 0
-    assert "process 1 exited with status" in out
-    done = [r["step"] for r in _rows(workdir)]
-    assert done and max(done) < STEPS  # it stopped before the end
-
+    killed_out = _finish(proc, timeout=HANG_TIMEOUT_S)
+    steps_logged = [r["step"] for r in _rows(workdir)]
     rerun = _launch(workdir, data_dir)
-    out = _finish(rerun)
-    assert rerun.returncode == 0, out[-6000:]
-    assert "Resumed from step" in out
-    _assert_same_metrics(workdir, reference)
+    rerun_out = _finish(rerun)
+    return {"workdir": workdir, "killed_rc": proc.returncode, "killed_out": killed_out,
+            "steps_logged": steps_logged, "rerun_rc": rerun.returncode, "rerun_out": rerun_out}
+
+
+def test_a_killed_process_ends_the_job(killed_then_rerun):
+    run = killed_then_rerun
+    assert run["killed_rc"] != 0
+    assert "process 1 exited with status" in run["killed_out"]
+    assert run["steps_logged"] and max(run["steps_logged"]) < STEPS  # it stopped early
+
+
+def test_the_rerun_resumes_and_logs_what_one_process_with_8_devices_logs(
+        killed_then_rerun, data_dir, tmp_path):
+    run = killed_then_rerun
+    assert run["rerun_rc"] == 0, run["rerun_out"][-6000:]
+    assert "Resumed from step" in run["rerun_out"]
+    one = str(tmp_path / "one_process")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    proc = subprocess.run([sys.executable, "-m", "joyagents_jax.cli", *_args(one, data_dir)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    _assert_same_metrics(run["workdir"], one)
     final = lambda w: {k: v for k, v in json.load(open(os.path.join(w, "final_eval.json"))).items()
                        if not any(t in k for t in TIMING)}
-    assert final(workdir) == pytest.approx(final(reference), rel=1e-5, abs=1e-6)
+    assert final(run["workdir"]) == pytest.approx(final(one), rel=1e-5, abs=1e-6)
+    info = json.load(open(os.path.join(run["workdir"], "run_info.json")))
+    assert info == {"process_count": 2, "global_device_count": 8, "local_device_count": 4,
+                    "mesh": {"agent": 1, "data": 2, "fsdp": 4, "tensor": 1}, "backend": "cpu"}
+    assert json.load(open(os.path.join(one, "run_info.json")))["process_count"] == 1
+
+
+def test_only_process_0_prints_and_writes(killed_then_rerun):
+    lines = killed_then_rerun["rerun_out"].split("\n")  # a bar redraws with \r in one line
+    assert any(line.startswith("[p0]") and "train:" in line for line in lines)
+    assert any(line.startswith("[p0] Finished:") for line in lines)
+    assert not [line for line in lines if line.startswith("[p1]")
+                and any(w in line for w in ("train:", "Finished", "INFO", "WARNING"))], lines
