@@ -110,16 +110,28 @@ def test_global_batch_on_8_devices():
                           "feed a multiple of 8 rows per process.")
 
 
-def _run_group(cmd: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
-    """Runs `cmd` in its own process group and kills the whole group on timeout."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+def start_group(cmd: list[str], env: dict) -> subprocess.Popen:
+    """Starts `cmd` at the repo root in its own process group, stdout and stderr together."""
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def finish_group(proc: subprocess.Popen, timeout: float) -> str:
+    """Its output once it ends; on timeout the whole group is killed and the test fails. Decoded
+    by hand: text mode would split a progress bar's \r redraws into lines."""
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout} s; output:\n{out[-6000:]}")
+        pytest.fail(f"{' '.join(proc.args)} did not finish in {timeout} s; output:\n"
+                    f"{out.decode(errors='replace')[-6000:]}")
+    return out.decode(errors="replace")
+
+
+def _run_group(cmd: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+    proc = start_group(cmd, env)
+    out = finish_group(proc, timeout)
     return subprocess.CompletedProcess(cmd, proc.returncode, out)
 
 

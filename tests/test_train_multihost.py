@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from joyagents_jax import metrics
+from tests.test_distributed import finish_group, start_group
 from tests.test_sharding import ROOT
 from tests.test_train import TIMING
 
@@ -38,21 +39,8 @@ def _args(workdir, data_dir):
 def _launch(workdir, data_dir) -> subprocess.Popen:
     env = {**os.environ, "PYTHON": sys.executable}
     env.pop("XLA_FLAGS", None)
-    return subprocess.Popen(["bash", "launch/multiprocess_cpu.sh", "-n", "2", "-d", "4",
-                             *_args(workdir, data_dir)], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-
-
-def _finish(proc: subprocess.Popen, timeout: float = 900) -> str:
-    """The job's output, decoded by hand: text mode would turn a progress bar's \r into lines."""
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"the job did not end in {timeout} s:\n{out.decode(errors='replace')[-6000:]}")
-    return out.decode(errors="replace")
+    return start_group(["bash", "launch/multiprocess_cpu.sh", "-n", "2", "-d", "4",
+                        *_args(workdir, data_dir)], env)
 
 
 def _rows(workdir):
@@ -102,14 +90,14 @@ def killed_then_rerun(tmp_path_factory, data_dir):
     start = time.time()
     while not (os.path.isdir(folder) and any(d.isdigit() and int(d) >= 2
                                              for d in os.listdir(folder))):
-        assert proc.poll() is None, f"the job ended early:\n{_finish(proc)[-6000:]}"
+        assert proc.poll() is None, f"the job ended early:\n{finish_group(proc, 900)[-6000:]}"
         assert time.time() - start < 900, "no checkpoint appeared"
         time.sleep(0.2)
     os.kill(_pid_of_process(1, workdir), signal.SIGKILL)
-    killed_out = _finish(proc, timeout=HANG_TIMEOUT_S)
+    killed_out = finish_group(proc, HANG_TIMEOUT_S)
     steps_logged = [r["step"] for r in _rows(workdir)]
     rerun = _launch(workdir, data_dir)
-    rerun_out = _finish(rerun)
+    rerun_out = finish_group(rerun, 900)
     return {"workdir": workdir, "killed_rc": proc.returncode, "killed_out": killed_out,
             "steps_logged": steps_logged, "rerun_rc": rerun.returncode, "rerun_out": rerun_out}
 
