@@ -299,7 +299,7 @@ class Sampler:
         return tokens, mask, stops, stop_seqs
 
     def _place(self, arrays, stacked: bool = False):
-        """Host arrays [(A,) B, ...] split over the mesh's data-parallel axes (as is without one)."""
+        """Host arrays [(A,) B, ...] split over the data-parallel axes (as is without a mesh)."""
         if self.mesh is None:
             return arrays
         return jax.device_put(arrays, sharding.batch_sharding(self.mesh, stacked))

@@ -12,17 +12,17 @@ import time
 import numpy as np
 import pytest
 
-from joyagents_jax import metrics
 from tests.test_distributed import finish_group, start_group
 from tests.test_sharding import ROOT
-from tests.test_train import TIMING
+from tests.test_train import TIMING, _rows
 
 pytestmark = pytest.mark.slow
 
 # Every batch splits over data=2 (one half per process) x fsdp=4 (params split within a
-# process, as on a pod where fsdp stays inside a host's fast interconnect). select=agents runs the jitted GRPO step on the rollouts
-# although a 2-step SFT leaves no reward spread (zero advantages: its loss, KL and norms are
-# compared, the parameters do not move); rollouts, memory and evaluations all take part.
+# process, as on a pod where fsdp stays inside a host's fast interconnect). select=agents runs
+# the jitted GRPO step on the rollouts although a 2-step SFT leaves no reward spread (zero
+# advantages: its loss, KL and norms are compared, the parameters do not move); rollouts,
+# memory and evaluations all take part.
 OVERRIDES = {"mesh": "data=2,fsdp=-1", "sft.steps": 2, "sft.batch_per_agent": 8, "grpo.steps": 2,
              "grpo.queries": 2, "grpo.group_size": 2, "grpo.select": "agents",
              "limits.max_tokens_per_node": 16, "eval.examples": 2, "eval.grpo_every": 0,
@@ -41,11 +41,6 @@ def _launch(workdir, data_dir) -> subprocess.Popen:
     env.pop("XLA_FLAGS", None)
     return start_group(["bash", "launch/multiprocess_cpu.sh", "-n", "2", "-d", "4",
                         *_args(workdir, data_dir)], env)
-
-
-def _rows(workdir):
-    return [{k: v for k, v in r.items() if not any(t in k for t in TIMING) and k != "time"}
-            for r in metrics.read_metrics(workdir)]
 
 
 def _assert_same_metrics(a, b):
