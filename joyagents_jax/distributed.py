@@ -30,6 +30,7 @@ from joyagents_jax import sharding
 
 CLUSTERS = ("auto", "explicit", "slurm", "tpu", "none")
 RUN_INFO = "run_info.json"
+log = logging.getLogger("joyagents")
 T = TypeVar("T")
 
 
@@ -79,7 +80,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                                    initialization_timeout=timeout_s)
     configure_logging()
     how = "single process" if cluster == "none" else f"jax.distributed ({cluster} launch)"
-    logging.info("%s: process %d of %d, %d local of %d %s devices", how, jax.process_index(),
+    log.info("%s: process %d of %d, %d local of %d %s devices", how, jax.process_index(),
                  jax.process_count(), jax.local_device_count(), jax.device_count(),
                  jax.devices()[0].platform)
     return cluster
@@ -105,9 +106,16 @@ def is_primary() -> bool:
 
 
 def configure_logging(level: int = logging.INFO) -> None:
-    """INFO logs on process 0, errors only elsewhere (so N hosts do not print N copies)."""
+    """Our INFO logs on process 0, errors only elsewhere (so N hosts do not print N copies).
+
+    Other libraries keep the root logger's level (orbax's INFO records stay out of the log).
+    """
     logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s")
-    logging.getLogger().setLevel(level if is_primary() else logging.ERROR)
+    if is_primary():
+        log.setLevel(level)
+    else:
+        logging.getLogger().setLevel(logging.ERROR)
+        log.setLevel(logging.ERROR)
 
 
 def to_host(tree: Any) -> Any:
