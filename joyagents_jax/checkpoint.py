@@ -341,6 +341,24 @@ class _Noise:
     failed = False
 
 
+def save_tree(path: str | Path, tree: Any) -> None:
+    """Writes one array pytree to `path` (replacing it; orbax renames a complete write into
+    place, so a crash leaves the previous tree or none). A collective across processes."""
+    with ocp.StandardCheckpointer() as saver:
+        saver.save(Path(path).absolute(), tree, force=True)
+
+
+def restore_tree(path: str | Path, abstract: Any) -> Any:
+    """The tree `save_tree` wrote, shaped (and sharded) like `abstract`."""
+    path = Path(path).absolute()
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path} is missing: it holds the LoRA base the checkpoints' "
+                                f"adapters belong to; restore it, or train again with "
+                                f"--config.restart=True.")
+    with ocp.StandardCheckpointer() as loader:
+        return loader.restore(path, jax.tree.map(_abstract, abstract))
+
+
 @contextlib.contextmanager
 def _quiet_stderr():
     """Captures file descriptor 2 (C++ threads write there too); afterwards replays every line

@@ -15,6 +15,7 @@ import ml_collections
 
 from joyagents_jax import train_state as ts
 from joyagents_jax.agents import demonstrator, system
+from joyagents_jax.models import lora
 from joyagents_jax.rl import grpo, grpo_step, memory, rollout
 from joyagents_jax.rl import rewards as rw
 from joyagents_jax.sampling import SamplingConfig
@@ -34,6 +35,7 @@ class Components(NamedTuple):
     limits: system.Limits
     memory: memory.MemoryConfig
     demonstrator: demonstrator.DemoErrors  # SFT demonstrations' detours
+    lora: dict[str, lora.LoRAConfig | None]  # per agent group; None: full fine-tuning
 
 
 def build(c: ml_collections.ConfigDict) -> Components:
@@ -61,7 +63,16 @@ def build(c: ml_collections.ConfigDict) -> Components:
         memory=_memory(c.memory, rewards.best_memory_reward),
         demonstrator=demonstrator.DemoErrors(wrong_route=s.demo_wrong_route,
                                              wrong_tool=s.demo_wrong_tool,
-                                             redundant_call=s.demo_redundant_call))
+                                             redundant_call=s.demo_redundant_call),
+        lora=_lora(c))
+
+
+def _lora(c: ml_collections.ConfigDict) -> dict[str, lora.LoRAConfig | None]:
+    """Each group's adapters: the `lora` section for the listed groups (all when empty)."""
+    listed = [g for g in c.lora.groups.split(",") if g]
+    on = lambda g: c.lora.rank > 0 and (not listed or g in listed)
+    return {g: lora.LoRAConfig(c.lora.rank, c.lora.alpha, c.lora.targets) if on(g) else None
+            for g in c.groups}
 
 
 def _memory(m: ml_collections.ConfigDict, best_reward: float) -> memory.MemoryConfig:

@@ -48,6 +48,13 @@ def get_config() -> ml_collections.ConfigDict:
                                            clip_norm=1.0, demo_wrong_route=0.0,
                                            demo_wrong_tool=0.0, demo_redundant_call=0.0))
 
+    # LoRA (rank 0: full fine-tuning). rank > 0: each agent of the listed groups ("": all) trains
+    # its own adapters (scaled by alpha / rank) on the projections whose name matches `targets`,
+    # over one frozen base stored once: the shared SFT phase's result (the base trains in full
+    # while the agents are one policy), or the initial weights when sft.shared_steps=0.
+    c.lora = ml_collections.ConfigDict(dict(rank=0, alpha=16.0, targets="q|k|v|o|gate|up|down",
+                                            groups=""))
+
     # JoyAgents-R1: node-wise sampling, top-K (K=5) node groups by reward variance. Learning
     # rate 1e-5: at 5e-5 the policies alone ended 2.7 points below SFT on 3 seeds (two agents
     # stopped copying their observations), at 1e-5 2.3 points above it, and with the memory

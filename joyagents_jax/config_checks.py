@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -50,8 +51,8 @@ def problems(c: ml_collections.ConfigDict) -> list[str]:
     out = list(_unknown_keys(c, config_lib.get_config()))
     if out:  # later checks read the keys by name
         return out
-    for check in (_top_level, _agents_and_groups, _sft, _grpo, _memory, _eval_and_checkpoint,
-                  _mesh):
+    for check in (_top_level, _agents_and_groups, _lora, _sft, _grpo, _memory,
+                  _eval_and_checkpoint, _mesh):
         out.extend(check(c))
     return out
 
@@ -195,6 +196,22 @@ def _agents_and_groups(c) -> Iterator[str]:
         elif spec.model not in presets.PRESETS:
             yield (f"config.groups.{name}.model={spec.model!r}: not a preset; choose one of "
                    f"{', '.join(sorted(presets.PRESETS))}, or set checkpoint to an HF folder.")
+
+
+def _lora(c) -> Iterator[str]:
+    from joyagents_jax.models import lora
+
+    yield from _all(_number(c, "lora.rank", low=0, integer=True, why="0 = full fine-tuning"),
+                    _number(c, "lora.alpha", low=0, low_open=True))
+    try:
+        lora.LoRAConfig(1, targets=c.lora.targets)  # raises if the regex matches no projection
+    except (re.error, TypeError, ValueError):
+        yield (f"config.lora.targets={c.lora.targets!r}: must be a regex matching the whole name "
+               f"of at least one projection of {', '.join(lora.PROJECTIONS)}, e.g. 'q|v'.")
+    unknown = sorted({g for g in str(c.lora.groups).split(",") if g} - set(c.groups))
+    if unknown:
+        yield (f"config.lora.groups={c.lora.groups!r}: no agent group named {unknown}; list "
+               f"groups of config.groups ({', '.join(c.groups)}) or leave it empty for all.")
 
 
 def _sft(c) -> Iterator[str]:

@@ -32,8 +32,8 @@ def load_run(workdir: str, step: int | None = None) -> tuple[experiment.Experime
     if ckpt.latest_step() is None:
         raise ValueError(f"No checkpoint in {workdir}/checkpoints: train first.")
     fresh = exp.init_run()
-    run, _ = ckpt.restore(lambda m: train.abstract_run(exp, fresh, m["phase"]), step)
-    return exp, run
+    run, _ = ckpt.restore(lambda m: train.abstract_run(exp, fresh, m), step)
+    return exp, exp.attach_bases(run, fresh)
 
 
 def _merged(base: ml_collections.ConfigDict, saved: dict) -> ml_collections.ConfigDict:

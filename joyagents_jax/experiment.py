@@ -12,6 +12,7 @@ import collections
 import dataclasses
 import functools
 import math
+import os
 import random
 import time
 from collections.abc import Sequence
@@ -22,12 +23,12 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from joyagents_jax import batching, sft, sharding
+from joyagents_jax import batching, checkpoint, sft, sharding
 from joyagents_jax import components, config_checks, distributed
 from joyagents_jax import train_state as ts
 from joyagents_jax.agents import demonstrator, protocol, system
 from joyagents_jax.data import assistant_suite as suite
-from joyagents_jax.models import hf_io, presets, qwen2
+from joyagents_jax.models import hf_io, lora, presets, qwen2
 from joyagents_jax.rl import grpo_step, memory_hook, rollout
 from joyagents_jax.run_state import RunState
 from joyagents_jax.sampling import Sampler
@@ -116,27 +117,94 @@ class Experiment:
         return run.replace(step=sharding.replicate(run.step, self.mesh))
 
     def _init_train(self) -> ts.TrainState:
-        """Random or checkpoint-loaded agents, SFT optimizer, reference = initial params."""
+        """Random or checkpoint-loaded agents, SFT optimizer, reference = initial params; LoRA
+        groups without a shared SFT phase get their adapters over the initial base now."""
         key = jax.random.key(self.config.seed)
         groups = {}
         for i, (g, spec) in enumerate(sorted(self.config.groups.items())):
             model, n = self.models[g], len(spec.agents)
-            if spec.checkpoint:
-                params, _ = hf_io.load_params(spec.checkpoint, model)
-                stacked = ts.stack_agents([params] * n)
-                groups[g] = ts.init_group(model, self.parts.sft_optim, stacked)
-            elif self.config.sft.shared_steps:  # one base policy, copied to every agent
-                base = qwen2.init_params(model, jax.random.fold_in(key, i))
-                groups[g] = ts.init_group(model, self.parts.sft_optim, ts.stack_agents([base] * n))
+            if spec.checkpoint or self.config.sft.shared_steps or self.parts.lora[g]:
+                base = (hf_io.load_params(spec.checkpoint, model)[0] if spec.checkpoint else
+                        qwen2.init_params(model, jax.random.fold_in(key, i)))
+                if self.parts.lora[g] and self.lora_from_step(0):
+                    groups[g] = self._lora_group(g, model, base, self.parts.sft_optim)
+                else:  # one base policy, copied to every agent
+                    groups[g] = ts.init_group(model, self.parts.sft_optim,
+                                              ts.stack_agents([base] * n))
             else:
                 groups[g] = ts.init_random_group(model, self.parts.sft_optim, n,
                                                  jax.random.fold_in(key, i))
         return self._place(ts.create(groups))
 
+    def _lora_group(self, g: str, model: qwen2.Qwen2Config, base: qwen2.Params,
+                    optim: ts.OptimConfig) -> ts.AgentGroup:
+        """Group g's agents as fresh adapters (zero b: each agent is the base) over `base`."""
+        cfg, n = self.parts.lora[g], self.group_sizes[g]
+        key = jax.random.fold_in(jax.random.key(self.config.seed), 3_000_017 + sorted(
+            self.config.groups).index(g))
+        adapters = ts.stack_agents([lora.init_adapters(base, cfg, k)
+                                    for k in jax.random.split(key, n)])
+        return ts.init_group(model, optim, adapters, base=base, lora=cfg)
+
+    # -- LoRA: adapters from the end of the shared SFT phase on ------------------------------
+
+    def lora_from_step(self, step: int) -> bool:
+        """Whether the state after `step` steps holds the LoRA groups' adapters: from step 0
+        without a shared SFT phase, else once the step after that phase has begun."""
+        shared = min(self.config.sft.shared_steps, self.config.sft.steps)  # SFT may end first
+        return any(self.parts.lora.values()) and (not shared or step > shared)
+
+    def lora_pending(self, run: RunState) -> bool:
+        """The next step trains adapters that `run` does not have yet."""
+        return self.lora_from_step(int(run.step) + 1) and any(
+            self.parts.lora[g] and grp.lora is None for g, grp in run.train.groups.items())
+
+    def to_lora(self, run: RunState) -> RunState:
+        """After the shared SFT phase: each LoRA group's base is its (common) policy, frozen,
+        and its agents start adapters that reproduce it exactly, with the phase's optimizer."""
+        optim = self.parts.sft_optim if run.phase == "sft" else self.parts.grpo_optim
+        groups = dict(run.train.groups)
+        for g, grp in groups.items():
+            if self.parts.lora[g] and grp.lora is None:
+                base = jax.tree.map(lambda x: x[0], grp.params)  # agents are equal after it
+                groups[g] = self._lora_group(g, grp.model, base, optim)
+        return run.replace(train=self._place(run.train.replace(groups=groups)))
+
+    def bases_dir(self, group: str) -> str:
+        return os.path.join(self.workdir, "lora_base", group)
+
+    def save_bases(self, run: RunState) -> None:
+        """Writes each LoRA base that training produced (the shared SFT result) once, since
+        checkpoints hold only adapters; bases from step 0 are rebuilt from the config."""
+        if self.lora_from_step(0):
+            return
+        for g, grp in run.train.groups.items():
+            if grp.lora is not None:
+                checkpoint.save_tree(self.bases_dir(g), grp.base)
+
+    def attach_bases(self, run: RunState, fresh: RunState) -> RunState:
+        """`run` restored from a checkpoint (LoRA bases absent) with its bases back: saved by
+        `save_bases`, or those of the fresh state `fresh` when LoRA starts at step 0."""
+        groups = dict(run.train.groups)
+        for g, grp in groups.items():
+            if grp.lora is None:
+                continue
+            if not self.lora_from_step(0):  # shaped like one agent of the fresh full params
+                shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype),
+                                      fresh.train.groups[g].params)
+                base = checkpoint.restore_tree(self.bases_dir(g), shapes)
+            else:
+                base = fresh.train.groups[g].base
+            groups[g] = grp.replace(base=base)
+        return run.replace(train=self._place(run.train.replace(groups=groups)))
+
     def start_grpo(self, run: RunState) -> RunState:
-        """After SFT: freeze the reference policy, switch to the GRPO optimizer, and start
-        empty memory tables (none when the config turns the memory off)."""
-        groups = {n: ts.init_group(g.model, self.parts.grpo_optim, g.params)
+        """After SFT: freeze the reference policy (LoRA: the adapters at the end of SFT), switch
+        to the GRPO optimizer, and start empty memory tables (none when the memory is off)."""
+        if self.lora_pending(run):
+            run = self.to_lora(run)
+        groups = {n: ts.init_group(g.model, self.parts.grpo_optim, g.params, base=g.base,
+                                   lora=g.lora)
                   for n, g in run.train.groups.items()}
         train = self._place(run.train.replace(groups=groups))
         tables = ({} if self.memory is None else sharding.replicate(memory_hook.init_tables(
@@ -238,7 +306,7 @@ class Experiment:
         scfg = dataclasses.replace(self.parts.sampling, greedy=greedy)
         policy = rollout.SamplerPolicy(self.samplers, self.slots, scfg, self.tokenizer, key,
                                        tempered=self.config.grpo.tempered_loss)
-        policy.params = {g: grp.params for g, grp in train.groups.items()}
+        policy.params = {g: grp.policies for g, grp in train.groups.items()}
         return policy
 
     def memory_view(self, run: RunState) -> memory_hook.MemoryView | None:

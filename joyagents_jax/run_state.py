@@ -28,6 +28,12 @@ class RunState:
         """Step 0 of SFT."""
         return cls(train=train, memory={}, step=jnp.zeros((), jnp.int32), phase="sft")
 
+    def without_bases(self) -> RunState:
+        """What a checkpoint holds: LoRA groups keep their adapters, not the frozen base
+        (`Experiment.save_bases` writes it once)."""
+        groups = {g: grp.replace(base=None) for g, grp in self.train.groups.items()}
+        return self.replace(train=self.train.replace(groups=groups))
+
     def next(self, train: ts.TrainState, memory_tables: dict | None = None) -> RunState:
         """The state after one more step (memory tables unchanged unless given)."""
         return self.replace(train=train, step=self.step + 1,

@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from joyagents_jax import distributed, sharding
-from joyagents_jax.models import qwen2
+from joyagents_jax.models import lora, qwen2
 from joyagents_jax.models.qwen2 import Params, Qwen2Config
 
 NO_TOKEN = -1  # padding in stop tables; never a real token id
@@ -211,7 +211,9 @@ class Sampler:
         out = {} if mesh is None else {"out_shardings": NamedSharding(mesh, P())}
         self._one = jax.jit(core, static_argnums=(0, 1), **out)
         self._per_agent = jax.jit(
-            lambda scfg, g, *args: jax.vmap(lambda *a: core(scfg, g, *a))(*args),
+            lambda scfg, g, params, *args: jax.vmap(
+                lambda *a: core(scfg, g, *a), in_axes=(lora.agent_axes(params),) + (0,) * len(args))(
+                params, *args),
             static_argnums=(0, 1), **out)
 
     def generate(self, params: Params, prompts: Sequence[Sequence[int]], *, key: jax.Array,
@@ -223,7 +225,7 @@ class Sampler:
         need a tokenizer. Returns numpy `Samples` of the B real prompts.
         """
         if agent is not None:
-            params = jax.tree.map(lambda x: x[agent], params)
+            params = lora.pick(params, agent)
         arrays = self._prepare([prompts], scfg, group_size, stop_ids, stop_strings)
         out = self._one(scfg, group_size, params, *self._place([a[0] for a in arrays]), key)
         return self._finish(out, self._per_prompt(stop_strings, [prompts])[0])
@@ -236,7 +238,7 @@ class Sampler:
         All agents run in one call (vmap over the agent axis). stop_ids / stop_strings: shared,
         or per agent a list with one entry per prompt.
         """
-        num_agents = jax.tree.leaves(params)[0].shape[0]
+        num_agents = lora.num_agents(params)
         if len(prompts) != num_agents:
             raise ValueError(f"generate_per_agent got {len(prompts)} prompt lists for "
                              f"{num_agents} stacked agents; pass one list per agent.")

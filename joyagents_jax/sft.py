@@ -61,9 +61,9 @@ def sft_step(state: ts.TrainState, batch: Mapping[str, SFTBatch], shared: bool =
     groups, agents, ok = dict(state.groups), {}, jnp.array(True)
     for name, data in batch.items():
         group = groups[name]
-        grad_fn = jax.value_and_grad(functools.partial(sft_loss, group.model), has_aux=True)
-        (loss, metrics), grads = jax.vmap(grad_fn)(group.params, data.tokens, data.mask,
-                                                   data.loss_mask)
+        loss_fn = lambda params, *data: sft_loss(group.model, group.view(params), *data)
+        (loss, metrics), grads = jax.vmap(jax.value_and_grad(loss_fn, has_aux=True))(
+            group.params, data.tokens, data.mask, data.loss_mask)
         if shared:
             grads = jax.tree.map(lambda g: jnp.broadcast_to(g.mean(0), g.shape), grads)
         norms = ts.global_norms(grads)

@@ -54,6 +54,7 @@ QWEN2_RULES: Rules = (
     (r"(^|/)mlp/(gate|up)/kernel$", P(None, "fsdp", "tensor")),  # [L, D, F]
     (r"(^|/)mlp/down/kernel$", P(None, "tensor", "fsdp")),  # [L, F, D]
     (r"(^|/)(input_norm|post_attn_norm|final_norm)/scale$", P()),  # [L, D] / [D]: small
+    (r"(^|/)(attn|mlp)/\w+/(a|b)$", P()),  # LoRA adapters [L, *in, r], [L, r, *out]: small
 )
 # Optimizer bookkeeping that has no parameter counterpart (optax step counters).
 OPTIMIZER_RULES: Rules = ((r"(^|/)count$", P()),)

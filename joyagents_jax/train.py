@@ -86,6 +86,9 @@ def _loop(exp, ckpt, guard, writer, run: RunState) -> tuple[RunState, dict[str, 
     last_eval: dict[str, float] = {}
     skipped_in_a_row = 0
     while int(run.step) < total:
+        if exp.lora_pending(run):  # the shared SFT phase is over: adapters over a frozen base
+            run = exp.to_lora(run)
+            exp.save_bases(run)
         if run.phase == "sft" and int(run.step) >= sft_steps:
             run = exp.start_grpo(run)
         if run.phase == "sft":
@@ -114,7 +117,7 @@ def _loop(exp, ckpt, guard, writer, run: RunState) -> tuple[RunState, dict[str, 
         stop = guard.stop_agreed()
         if _every(step, config.checkpoint.every) or boundary or stop:
             meta = {"step": step, "phase": phase, **({BEST: m[BEST]} if BEST in m else {})}
-            ckpt.save(step, run, meta, force=True)
+            ckpt.save(step, run.without_bases(), meta, force=True)
         if stop:
             log.warning("Preempted at step %d: checkpoint saved, exiting.", step)
             break
@@ -173,7 +176,7 @@ def restore(exp: experiment.Experiment, ckpt: checkpoint.Checkpointer) -> RunSta
     """
     fresh = exp.init_run()
     try:
-        found = ckpt.restore_latest_valid(lambda meta: abstract_run(exp, fresh, meta["phase"]))
+        found = ckpt.restore_latest_valid(lambda meta: abstract_run(exp, fresh, meta))
     except checkpoint.CheckpointMismatchError:
         raise
     except RuntimeError as e:  # every step unreadable: never restart silently
@@ -184,12 +187,14 @@ def restore(exp: experiment.Experiment, ckpt: checkpoint.Checkpointer) -> RunSta
         return fresh
     run, meta = found
     log.info("Resumed from step %d (%s).", meta["step"], meta["phase"])
-    return run
+    return exp.attach_bases(run, fresh)
 
 
-def abstract_run(exp: experiment.Experiment, fresh: RunState, phase: str) -> RunState:
-    """A run state shaped like the checkpoint of `phase` (GRPO: new optimizer, memory tables)."""
-    return exp.start_grpo(fresh) if phase == "grpo" else fresh
+def abstract_run(exp: experiment.Experiment, fresh: RunState, meta: dict) -> RunState:
+    """A run state shaped like the checkpoint with metadata `meta` (its phase and step): GRPO's
+    optimizer and memory tables, LoRA adapters once they have started, no LoRA base."""
+    run = exp.to_lora(fresh) if exp.lora_from_step(meta["step"]) else fresh
+    return (exp.start_grpo(run) if meta["phase"] == "grpo" else run).without_bases()
 
 
 USAGE = """usage: joyagents train [--config FILE[:ARG]] [--config.KEY=VALUE ...] [--workdir DIR]

@@ -25,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from joyagents_jax import sharding
+from joyagents_jax.models import lora as lora_lib
 from joyagents_jax.models import qwen2
 
 Params = qwen2.Params
@@ -89,13 +90,21 @@ def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
 
 @flax.struct.dataclass
 class AgentGroup:
-    """Agents of one architecture. Every array leaf has a leading agent axis [A, ...]."""
+    """Agents of one architecture. Every array leaf has a leading agent axis [A, ...], except
+    the LoRA base.
+
+    Full fine-tuning (`lora` None): `params` are the agents' weights. LoRA: `params` are the
+    agents' adapters (`models/lora.py`) over one frozen `base` stored once; only adapters get
+    gradients and optimizer state, and `ref_params` are the adapters at the end of SFT.
+    """
 
     params: Params
     opt_state: optax.OptState
     ref_params: Params | None  # frozen KL reference (the SFT result); None when unused
     model: qwen2.Qwen2Config = flax.struct.field(pytree_node=False)
     optim: OptimConfig = flax.struct.field(pytree_node=False)
+    base: Params | None = None  # LoRA: the frozen base, no agent axis
+    lora: lora_lib.LoRAConfig | None = flax.struct.field(pytree_node=False, default=None)
 
     @property
     def num_agents(self) -> int:
@@ -104,6 +113,22 @@ class AgentGroup:
     @property
     def optimizer(self) -> optax.GradientTransformation:
         return make_optimizer(self.optim)
+
+    def view(self, tree: Params) -> Params | lora_lib.LoRAParams:
+        """The policy that `tree` (params or ref_params, [A, ...] or one agent's) stands for:
+        itself, or the base with those adapters."""
+        return tree if self.lora is None else lora_lib.LoRAParams(self.base, tree,
+                                                                  self.lora.scale)
+
+    @property
+    def policies(self) -> Params | lora_lib.LoRAParams:
+        """The agents' current policies, stacked (vmap them with `lora.agent_axes`)."""
+        return self.view(self.params)
+
+    @property
+    def references(self) -> Params | lora_lib.LoRAParams | None:
+        """The frozen reference policies, stacked; None when unused."""
+        return None if self.ref_params is None else self.view(self.ref_params)
 
 
 @flax.struct.dataclass
@@ -143,11 +168,14 @@ def _init_params(model: qwen2.Qwen2Config, keys: jax.Array) -> Params:
 
 
 def init_group(model: qwen2.Qwen2Config, optim: OptimConfig, params: Params, *,
-               reference: bool = True) -> AgentGroup:
-    """A group from stacked params [A, ...]; the reference starts as a copy of them."""
+               reference: bool = True, base: Params | None = None,
+               lora: lora_lib.LoRAConfig | None = None) -> AgentGroup:
+    """A group from stacked params [A, ...] (with `lora`: stacked adapters over `base`); the
+    reference starts as a copy of them."""
     opt_state = _init_opt_state(optim, params)
     return AgentGroup(params=params, opt_state=opt_state,
-                      ref_params=_copy(params) if reference else None, model=model, optim=optim)
+                      ref_params=_copy(params) if reference else None, model=model, optim=optim,
+                      base=base, lora=lora)
 
 
 def init_random_group(model: qwen2.Qwen2Config, optim: OptimConfig, num_agents: int,
@@ -186,11 +214,13 @@ def state_shardings(state: TrainState, mesh: Mesh, rules: sharding.Rules = shard
     """`NamedSharding`s shaped like `state`, for the in/out shardings of a jitted step.
 
     Params, reference and optimizer state follow the partition rules with the agent axis in
-    front (`sharding.param_shardings(stacked=True)`, kwargs go there); counters are replicated.
+    front (`sharding.param_shardings(stacked=True)`, kwargs go there), a LoRA base the same
+    rules without it; counters are replicated.
     """
-    place = lambda tree: sharding.param_shardings(mesh, tree, rules, stacked=True, **kwargs)
+    place = lambda tree, stacked=True: sharding.param_shardings(mesh, tree, rules,
+                                                                stacked=stacked, **kwargs)
     groups = {name: g.replace(params=place(g.params), opt_state=place(g.opt_state),
-                              ref_params=place(g.ref_params))
+                              ref_params=place(g.ref_params), base=place(g.base, False))
               for name, g in state.groups.items()}
     replicated = NamedSharding(mesh, P())
     return state.replace(groups=groups, step=replicated, skipped=replicated)

@@ -1,5 +1,6 @@
 """Tests for joyagents_jax.sft: the teacher-forced loss and the all-agents SFT step."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,7 +8,7 @@ import pytest
 
 from joyagents_jax import sft
 from joyagents_jax import train_state as ts
-from joyagents_jax.models import qwen2
+from joyagents_jax.models import lora, qwen2
 from tests.rl.test_grpo_step import _random_params
 
 SUB = qwen2.Qwen2Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=1,
@@ -110,3 +111,25 @@ def test_sft_skips_a_non_finite_step(state, step):
     after = jax.tree.map(np.asarray, state.groups)
     for old, new in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
         assert old.tobytes() == new.tobytes()
+
+
+def test_lora_sft_learns_through_the_adapters_alone(step):
+    """Rank-4 adapters over one frozen random base memorize each agent's demonstrations."""
+    cfg = lora.LoRAConfig(rank=4, alpha=8.0)
+    base = jax.tree.map(lambda x: x[0], _random_params(SUB, 1, 0))
+    adapters = ts.stack_agents([lora.init_adapters(base, cfg, jax.random.key(i))
+                                for i in range(3)])
+    state = ts.create({"subs": ts.init_group(SUB, OPTIM, adapters, base=base, lora=cfg)})
+    base = jax.tree.map(np.asarray, base)  # the step donates the state's buffers
+    batch = {"subs": _demos(3, seed=0)}
+    state, first = step(state, batch)
+    for _ in range(59):
+        state, metrics = step(state, batch)
+    group = state.groups["subs"]
+    chex.assert_trees_all_equal(group.base, base)
+    chex.assert_trees_all_equal_structs(group.opt_state[1][0].mu, adapters)
+    np.testing.assert_allclose(first["agents"]["subs"]["loss"], [
+        _reference_ce(SUB, ts.stack_agents([base] * 3), batch["subs"], a) for a in range(3)],
+        rtol=1e-5)  # zero b: the first loss is the base's
+    assert np.all(np.asarray(metrics["agents"]["subs"]["loss"]) <
+                  0.9 * np.asarray(first["agents"]["subs"]["loss"]))

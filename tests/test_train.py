@@ -149,7 +149,7 @@ def test_corrupted_latest_checkpoint_falls_back(reference_run, tmp_path, caplog)
     with checkpoint.Checkpointer(os.path.join(workdir, "checkpoints")) as ckpt:
         fresh = evaluate.experiment.Experiment(_config(), workdir)
         tree, meta = ckpt.restore_latest_valid(
-            lambda m: train.abstract_run(fresh, fresh.init_run(), m["phase"]))
+            lambda m: train.abstract_run(fresh, fresh.init_run(), m))
     assert meta["step"] == 5 and "6" in caplog.text
 
 
@@ -317,3 +317,33 @@ def test_demonstrations_with_more_nodes_than_max_nodes_are_refused_by_name(tmp_p
                                          r"demonstration has \d+ LLM nodes.*raise "
                                          r"limits.max_nodes to at least \d+"):
         train.train(_config(data_dir=data_dir, **{"limits.max_nodes": 2}), str(tmp_path / "w"))
+
+
+def test_lora_run_checkpoints_adapters_only_and_resumes_exactly(data_dir, tmp_path):
+    """LoRA from the end of a 2-step shared SFT phase: adapters train in the last SFT step and
+    in GRPO over the frozen shared base, which is written once; checkpoints hold adapters only,
+    and a run resumed from step 4 ends bit-equal to the uninterrupted one."""
+    import shutil
+    lora = {"lora.rank": 4, "sft.shared_steps": 2}
+    full = str(tmp_path / "full")
+    train.train(_config(data_dir=data_dir, **lora), full)
+    layout = json.load(open(os.path.join(full, "checkpoints", "6", "layout", "metadata")))
+    layout = layout["arrays"]
+    assert any("'a']" in p for p in layout) and not any(".base" in p for p in layout)
+    assert not any("'embed']" in p for p in layout)  # no base weights in any checkpoint
+    _, run = evaluate.load_run(full)
+    group = run.train.groups["all"]
+    assert group.lora.rank == 4 and group.base["embed"].ndim == 2  # the base has no agent axis
+    resumed = str(tmp_path / "resumed")
+    shutil.copytree(full, resumed)
+    for name in ("5", "6", "final_eval.json"):
+        path = os.path.join(resumed, "checkpoints", name) if name.isdigit() else \
+            os.path.join(resumed, name)
+        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    train.train(_config(data_dir=data_dir, **lora), resumed)
+    step, leaves = _final_params(resumed)
+    ref_step, ref_leaves = _final_params(full)
+    assert step == ref_step == 6 and len(leaves) == len(ref_leaves)
+    for a, b in zip(leaves, ref_leaves):
+        np.testing.assert_array_equal(a, b)
+    assert _rows(resumed) == _rows(full)

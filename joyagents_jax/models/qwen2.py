@@ -17,6 +17,9 @@ axis so tensor-parallel rules can split heads):
     final_norm/scale           [D]
     lm_head/kernel             [D, V]             (untied models only)
 
+`params` may also be `lora.LoRAParams` (a frozen base and one agent's adapters): each targeted
+projection then adds its low-rank path, without merging the adapter into the kernel.
+
 Batches are left padded: `mask [B, T]` marks real tokens and `positions [B, T]` are per-row RoPE
 positions (`positions_from_mask`). The optional KV cache is an explicit pytree argument; layers
 read it without copying and the new keys/values are written once per call after the layer scan
@@ -32,6 +35,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from joyagents_jax.models import lora
 
 Params = dict[str, Any]
 
@@ -239,8 +244,10 @@ def attention(q: jax.Array, segments: list[tuple[jax.Array, jax.Array, jax.Array
 
 
 def _dense(x: jax.Array, p: Params, spec: str, dtype) -> jax.Array:
+    """x times the kernel (plus bias), plus the low-rank path when `p` carries a LoRA adapter."""
     y = jnp.einsum(spec, x, p["kernel"].astype(dtype))
-    return y + p["bias"].astype(dtype) if "bias" in p else y
+    y = y + p["bias"].astype(dtype) if "bias" in p else y
+    return y + lora.low_rank(x, p, spec, dtype) if "lora_a" in p else y
 
 
 def decoder_layer(cfg: Qwen2Config, p: Params, x: jax.Array, rope, allowed: jax.Array,
@@ -267,9 +274,10 @@ def decoder_layer(cfg: Qwen2Config, p: Params, x: jax.Array, rope, allowed: jax.
     return x + _dense(gated, m["down"], "btf,fd->btd", dt), (k, v)
 
 
-def unembed(cfg: Qwen2Config, params: Params, hidden: jax.Array) -> jax.Array:
+def unembed(cfg: Qwen2Config, params: Params | lora.LoRAParams, hidden: jax.Array) -> jax.Array:
     """hidden [..., D] -> logits [..., V] in f32 (tied: hidden @ embed^T)."""
     dt = jnp.dtype(cfg.dtype)
+    params = lora.as_tree(params)
     if cfg.tie_embeddings:
         return jnp.einsum("...d,vd->...v", hidden.astype(dt), params["embed"].astype(dt),
                           preferred_element_type=jnp.float32)
@@ -286,6 +294,7 @@ def _layers(cfg: Qwen2Config, params: Params, tokens: jax.Array, positions: jax.
     """Runs every layer; returns final-norm hidden [B, T, D] and the new tokens' k
     [L, B, K, T, Hd] and v [L, B, K, Hd, T] (tuples over unrolled layers, as the cache)."""
     dt = jnp.dtype(cfg.dtype)
+    params = lora.as_tree(params)
     mask = mask.astype(bool)
     t = tokens.shape[1]
     x = params["embed"].astype(dt)[tokens]

@@ -36,7 +36,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from joyagents_jax import train_state as ts
-from joyagents_jax.models import qwen2
+from joyagents_jax.models import lora, qwen2
 from joyagents_jax.rl import grpo
 from joyagents_jax.sft import next_token_logits
 
@@ -193,8 +193,11 @@ def _combine_micro(m: dict[str, jax.Array]) -> dict[str, jax.Array]:
 
 
 def agent_grads(model: qwen2.Qwen2Config, cfg: grpo.GRPOConfig, micro_batch: int | None,
-                first: jax.Array, params: qwen2.Params, logp_old: jax.Array, *inputs):
+                first: jax.Array, view, params: qwen2.Params, logp_old: jax.Array, *inputs):
     """One agent's loss gradient over its batch, accumulated over micro-batches of rows.
+
+    view: trainable params -> the policy (`AgentGroup.view`: the params, or a LoRA base with
+    these adapters); gradients are taken for the trainable params only.
 
     Each micro-batch's loss is rescaled by its share of the full batch's aggregation
     denominator (param-independent), so the summed gradient is the full-batch gradient.
@@ -203,7 +206,7 @@ def agent_grads(model: qwen2.Qwen2Config, cfg: grpo.GRPOConfig, micro_batch: int
     """
     rows = inputs[0].shape[0]
     size = _micro_size(rows, micro_batch)
-    loss_fn = functools.partial(agent_loss, model, cfg, first)
+    loss_fn = lambda params, *rest: agent_loss(model, cfg, first, view(params), *rest)
     if size == rows:
         (_, (metrics, logp_old)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
             params, logp_old, *inputs)
@@ -254,7 +257,8 @@ def _reference_logprobs(group: ts.AgentGroup, r: Rollouts, loss: grpo.GRPOConfig
     term is off."""
     if not loss.beta:
         return None
-    if group.ref_params is None:
+    references = group.references
+    if references is None:
         raise ValueError("beta > 0 needs reference params (init_group(..., reference=True); "
                          "a run freezes them when GRPO starts).")
     rows = r.tokens.shape[1]
@@ -266,7 +270,8 @@ def _reference_logprobs(group: ts.AgentGroup, r: Rollouts, loss: grpo.GRPOConfig
         return jax.lax.map(per_micro, (_micro(tokens, size), _micro(mask, size))).reshape(
             rows, -1)
 
-    return jax.vmap(one_agent)(group.ref_params, r.tokens, r.mask)
+    return jax.vmap(one_agent, in_axes=(lora.agent_axes(references), 0, 0))(
+        references, r.tokens, r.mask)
 
 
 def _inner_step(cfg: GRPOStepConfig, inputs: dict, updates: dict[str, jax.Array], carry,
@@ -280,7 +285,7 @@ def _inner_step(cfg: GRPOStepConfig, inputs: dict, updates: dict[str, jax.Array]
     new_groups, new_old, metrics, ok = {}, {}, {}, jnp.array(True)
     for name, group in groups.items():
         grad_fn = jax.vmap(functools.partial(agent_grads, group.model, cfg.loss, cfg.micro_batch,
-                                             first))
+                                             first, group.view))
         grads, metrics[name], new_old[name] = grad_fn(group.params, logp_old[name],
                                                       *inputs[name])
         metrics[name]["grad_norm"] = norms = ts.global_norms(grads)

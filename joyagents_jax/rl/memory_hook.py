@@ -22,7 +22,7 @@ import numpy as np
 from joyagents_jax import distributed
 from joyagents_jax.agents import protocol
 from joyagents_jax.agents.system import AgentSystem, Request
-from joyagents_jax.models import qwen2
+from joyagents_jax.models import lora, qwen2
 from joyagents_jax.rl import memory as mem
 from joyagents_jax.rl import rollout
 
@@ -40,20 +40,19 @@ class GroupModel(NamedTuple):
     """An agent group's frozen reference policy, which embeds its agents' keys."""
 
     model: qwen2.Qwen2Config
-    ref_params: qwen2.Params  # stacked [A, ...]
+    ref_params: qwen2.Params | lora.LoRAParams  # stacked [A, ...] (LoRA: the adapters)
 
 
 def group_models(train_state) -> dict[str, GroupModel]:
     """Each agent group's model config and frozen reference params (the embedder)."""
-    return {g: GroupModel(group.model, group.ref_params)
+    return {g: GroupModel(group.model, group.references)
             for g, group in train_state.groups.items()}
 
 
 def init_tables(cfg: mem.MemoryConfig, models: Mapping[str, GroupModel]
                 ) -> dict[str, mem.MemoryTable]:
     """Empty stacked tables for every agent group."""
-    return {g: mem.init_tables(cfg, m.model.hidden_size,
-                               jax.tree.leaves(m.ref_params)[0].shape[0])
+    return {g: mem.init_tables(cfg, m.model.hidden_size, lora.num_agents(m.ref_params))
             for g, m in models.items()}
 
 
@@ -103,7 +102,7 @@ def _pick(tree: Any, index: jax.Array | int) -> Any:
 
 @functools.partial(jax.jit, static_argnums=0)
 def _embed_agent(model_cfg, params, agent, tokens, mask):
-    return mem.embed(model_cfg, _pick(params, agent), tokens, mask)
+    return mem.embed(model_cfg, lora.pick(params, agent), tokens, mask)
 
 
 @jax.jit

@@ -391,6 +391,8 @@ class SamplerPolicy:
     def sample(self, inputs: Sequence[NodeInput], group_size: int) -> list[list[Generation]]:
         import jax
 
+        from joyagents_jax.models import lora
+
         out: list[list[Generation] | None] = [None] * len(inputs)
         by_group: dict[str, dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))
         for i, node_input in enumerate(inputs):
@@ -402,7 +404,7 @@ class SamplerPolicy:
             stops = lambda idx: [protocol.stop_strings(inputs[i].role) for i in idx]
             prompts = lambda idx: [inputs[i].prompt_ids for i in idx]
             kw = dict(scfg=self.scfg, group_size=group_size, stop_ids=self.tokenizer.stop_ids)
-            num = jax.tree.leaves(params)[0].shape[0]
+            num = lora.num_agents(params)
             if _vmap_is_cheaper(sampler, {s: len(idx) for s, idx in slots.items()}, num):
                 fill = lambda s, f, dummy: f(slots[s]) if s in slots else dummy
                 per_agent = sampler.generate_per_agent(

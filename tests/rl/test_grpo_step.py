@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from joyagents_jax import sharding
 from joyagents_jax import train_state as ts
-from joyagents_jax.models import qwen2
+from joyagents_jax.models import lora, qwen2
 from joyagents_jax.rl import grpo
 from joyagents_jax.rl import grpo_step as gs
 from tests.test_sharding import ROOT
@@ -377,3 +378,34 @@ def test_sharded_step_matches_unsharded(step, tmp_path):
     for name, w in want.items():
         scale = max(float(np.max(np.abs(w))), 1e-30)
         assert np.max(np.abs(got[name].astype(np.float64) - w)) / scale < 1e-4, name
+
+
+def _lora_state() -> ts.TrainState:
+    """The sub-agents as LoRA adapters over one shared base; the master in full."""
+    cfg = lora.LoRAConfig(rank=2, alpha=4.0)
+    base = jax.tree.map(lambda x: x[0], _random_params(SUB, 1, 0))
+    adapters = ts.stack_agents([lora.init_adapters(base, cfg, jax.random.key(i))
+                                for i in range(3)])
+    return ts.create({"subs": ts.init_group(SUB, OPTIM, adapters, base=base, lora=cfg),
+                      "master": ts.init_group(MASTER, OPTIM, _random_params(MASTER, 1, 1))})
+
+
+def test_lora_step_trains_only_the_selected_agents_adapters(step):
+    state = _lora_state()
+    before = jax.tree.map(np.asarray, state.groups["subs"])
+    state, metrics = step(state, _batch())
+    after = jax.tree.map(np.asarray, state.groups["subs"])
+    subs = metrics["agents"]["subs"]
+    np.testing.assert_array_equal(subs["updated"], [True, True, False])
+    chex.assert_trees_all_equal(before.base, after.base)  # frozen, bit for bit
+    chex.assert_trees_all_equal(before.ref_params, after.ref_params)
+    chex.assert_trees_all_equal_structs(after.opt_state[1][0].mu, after.params)  # adapters only
+    for old, new in zip(_leaves((before.params, before.opt_state), 2),
+                        _leaves((after.params, after.opt_state), 2)):
+        assert old.tobytes() == new.tobytes()  # not selected
+    for row in (0, 1):  # zero-initialized b moved, so the policies left the base
+        assert all(np.any(new[row] != 0) for (path, new) in jax.tree_util.tree_leaves_with_path(
+            after.params) if path[-1].key == "b")
+    assert np.all(subs["kl"][:2] > 0)  # KL against the adapters at the start (here: the base)
+    # Zero b: the first forward is the base's, whose near-uniform log-probs give the gap ln 32.
+    np.testing.assert_allclose(subs["logprob_gap"], np.log(32), rtol=0.02)
