@@ -51,7 +51,8 @@ def get_config() -> ml_collections.ConfigDict:
     # LoRA (rank 0: full fine-tuning). rank > 0: each agent of the listed groups ("": all) trains
     # its own adapters (scaled by alpha / rank) on the projections whose name matches `targets`,
     # over one frozen base stored once: the shared SFT phase's result (the base trains in full
-    # while the agents are one policy), or the initial weights when sft.shared_steps=0.
+    # while the agents are one policy), or the initial weights when sft.shared_steps=0. The
+    # adapters' optimizer starts at that point (its warmup too).
     c.lora = ml_collections.ConfigDict(dict(rank=0, alpha=16.0, targets="q|k|v|o|gate|up|down",
                                             groups=""))
 

@@ -3,6 +3,8 @@
 Writes `<out>/<agent>/` (config.json, generation_config.json, safetensors) that
 `transformers.AutoModelForCausalLM.from_pretrained` (or vLLM) loads, with the run's tokenizer
 files when it used an HF tokenizer, and `<out>/memory.jsonl` with the decoded memory entries.
+A LoRA agent's folder holds its adapters merged into the base; `<out>/lora/<agent>/` holds the
+adapters alone as a PEFT folder, over the group's base `<out>/lora/base_<group>/`.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import sys
 import jax
 
 from joyagents_jax import distributed, evaluate, tokenizers
-from joyagents_jax.models import hf_io
+from joyagents_jax.models import hf_io, lora
 from joyagents_jax.rl import memory as memory_lib
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
@@ -30,17 +32,30 @@ def export(workdir: str, out: str, step: int | None = None, dtype: str | None = 
     primary = distributed.is_primary()
     if primary:
         os.makedirs(out, exist_ok=True)
+    generation = {"eos_token_id": list(exp.tokenizer.stop_ids),
+                  "pad_token_id": exp.tokenizer.pad_id}
+
+    def save(folder, model, params):
+        hf_io.save_params(folder, model, params, dtype=dtype, generation_config=generation)
+        _tokenizer_files(exp.config.tokenizer, folder)
+
     written = []
+    bases = {name: distributed.to_host(g.base) for name, g in run.train.groups.items()
+             if g.lora is not None}
+    for name, base in bases.items():  # a LoRA group's base, once: the adapters' base
+        if primary:
+            save(_lora_base_folder(out, name), run.train.groups[name].model, base)
+        written.append(_lora_base_folder(out, name))
     for agent, (group, index) in exp.slots.items():
         g = run.train.groups[group]
         params = distributed.to_host(jax.tree.map(lambda x: x[index], g.params))
         folder = os.path.join(out, agent)
-        stops = list(exp.tokenizer.stop_ids)
-        if primary:
-            hf_io.save_params(folder, g.model, params, dtype=dtype,
-                              generation_config={"eos_token_id": stops,
-                                                 "pad_token_id": exp.tokenizer.pad_id})
-            _tokenizer_files(exp.config.tokenizer, folder)
+        if primary and g.lora is None:
+            save(folder, g.model, params)
+        elif primary:  # merged for transformers and vLLM, and the adapter for peft
+            save(folder, g.model, lora.merge(bases[group], params, g.lora.scale))
+            hf_io.save_peft_adapter(os.path.join(out, "lora", agent), params, g.lora,
+                                    _lora_base_folder(out, group), dtype=dtype)
         written.append(folder)
     tables = distributed.to_host(run.memory)
     if primary and tables:
@@ -51,6 +66,10 @@ def export(workdir: str, out: str, step: int | None = None, dtype: str | None = 
             json.dump({"workdir": os.path.abspath(workdir), "step": int(run.step),
                        "agents": sorted(exp.slots)}, f, indent=2)
     return written
+
+
+def _lora_base_folder(out: str, group: str) -> str:
+    return os.path.join(out, "lora", f"base_{group}")
 
 
 def _tokenizer_files(spec: str, folder: str) -> None:

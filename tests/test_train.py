@@ -324,16 +324,17 @@ def test_lora_run_checkpoints_adapters_only_and_resumes_exactly(data_dir, tmp_pa
     in GRPO over the frozen shared base, which is written once; checkpoints hold adapters only,
     and a run resumed from step 4 ends bit-equal to the uninterrupted one."""
     import shutil
-    lora = {"lora.rank": 4, "sft.shared_steps": 2}
+    lora = {"lora.rank": 4, "sft.shared_steps": 2, "sft.warmup_steps": 0}
     full = str(tmp_path / "full")
     train.train(_config(data_dir=data_dir, **lora), full)
     layout = json.load(open(os.path.join(full, "checkpoints", "6", "layout", "metadata")))
     layout = layout["arrays"]
     assert any("'a']" in p for p in layout) and not any(".base" in p for p in layout)
     assert not any("'embed']" in p for p in layout)  # no base weights in any checkpoint
-    _, run = evaluate.load_run(full)
+    exp, run = evaluate.load_run(full)
     group = run.train.groups["all"]
     assert group.lora.rank == 4 and group.base["embed"].ndim == 2  # the base has no agent axis
+    _check_lora_export(exp, group, str(tmp_path / "export"), full)
     resumed = str(tmp_path / "resumed")
     shutil.copytree(full, resumed)
     for name in ("5", "6", "final_eval.json"):
@@ -347,3 +348,30 @@ def test_lora_run_checkpoints_adapters_only_and_resumes_exactly(data_dir, tmp_pa
     for a, b in zip(leaves, ref_leaves):
         np.testing.assert_array_equal(a, b)
     assert _rows(resumed) == _rows(full)
+
+
+def _check_lora_export(exp, group, out, workdir):
+    """Each agent's merged folder in transformers, and its PEFT adapter put on the exported
+    base by peft, give our unmerged logits."""
+    import peft
+    import torch
+    import transformers
+    from joyagents_jax.models import lora, qwen2
+
+    assert export.export(workdir, out)
+    base = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(out, "lora", "base_all"))
+    tokens = np.array([[1, 60, 70, 80, 90, 100]])
+    with torch.no_grad():
+        base_logits = base(input_ids=torch.tensor(tokens)).logits.numpy()
+    for agent, (_, index) in exp.slots.items():
+        ours = np.asarray(qwen2.forward(group.model, lora.pick(group.policies, index),
+                                        tokens).logits)
+        assert np.abs(ours - base_logits).max() > 1e-3  # the adapters moved this agent
+        merged = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(out, agent))
+        with_adapter = peft.PeftModel.from_pretrained(
+            transformers.AutoModelForCausalLM.from_pretrained(
+                os.path.join(out, "lora", "base_all")), os.path.join(out, "lora", agent))
+        for model in (merged, with_adapter):
+            with torch.no_grad():
+                ref = model(input_ids=torch.tensor(tokens)).logits.numpy()
+            np.testing.assert_allclose(ours, ref, atol=1e-4)

@@ -21,6 +21,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from joyagents_jax.models import lora
 from joyagents_jax.models.qwen2 import Params, Qwen2Config, param_shapes
 
 CONFIG = "config.json"
@@ -322,6 +323,11 @@ def save_params(folder: str, cfg: Qwen2Config, params: Params, dtype: Any = None
     with open(os.path.join(tmp, "generation_config.json"), "w") as f:
         json.dump(generation_config or {}, f, indent=2)
 
+    _replace_folder(tmp, folder)
+
+
+def _replace_folder(tmp: str, folder: str) -> None:
+    """Moves the complete folder `tmp` to `folder`, replacing what was there."""
     if os.path.exists(folder):
         old = folder.rstrip("/") + ".tmp-old"
         os.replace(folder, old)
@@ -329,3 +335,37 @@ def save_params(folder: str, cfg: Qwen2Config, params: Params, dtype: Any = None
         shutil.rmtree(old)
     else:
         os.replace(tmp, folder)
+
+
+def save_peft_adapter(folder: str, adapters: Params, cfg: lora.LoRAConfig, base: str,
+                      dtype: Any = None) -> None:
+    """One agent's LoRA adapters as a PEFT folder (adapter_config.json and
+    adapter_model.safetensors) that `peft.PeftModel.from_pretrained` puts on the HF base
+    folder `base`. Written whole or not at all, as `save_params`."""
+    tensors = {}
+    for section, projections in adapters["layers"].items():
+        for name, ab in projections.items():
+            module = _LAYER_LEAVES[(section, name, "kernel")][0].removesuffix(".weight")
+            a, b = (np.asarray(jax.device_get(ab[k])) for k in ("a", "b"))
+            for i in range(a.shape[0]):
+                prefix = f"base_model.model.model.layers.{i}.{module}"
+                lora_a = a[i].reshape(-1, cfg.rank).T  # [r, in]
+                lora_b = b[i].reshape(cfg.rank, -1).T  # [out, r]
+                for key, x in ((f"{prefix}.lora_A.weight", lora_a),
+                               (f"{prefix}.lora_B.weight", lora_b)):
+                    x = x if dtype is None else x.astype(jnp.dtype(dtype))
+                    tensors[key] = np.ascontiguousarray(x)
+    modules = sorted({_LAYER_LEAVES[(lora.PROJECTIONS[p][0], p, "kernel")][0].split(".")[1]
+                      for p in cfg.projections})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.rank,
+              "lora_alpha": cfg.alpha, "target_modules": modules, "lora_dropout": 0.0,
+              "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+              "inference_mode": True, "base_model_name_or_path": os.path.abspath(base)}
+    tmp = folder.rstrip("/") + ".tmp-export"
+    if os.path.exists(tmp):
+        shutil.rmtree(tmp)
+    os.makedirs(tmp)
+    save_file(tensors, os.path.join(tmp, "adapter_model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(tmp, "adapter_config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    _replace_folder(tmp, folder)
