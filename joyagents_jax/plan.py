@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 from joyagents_jax import distributed, sharding
 from joyagents_jax import train_state as ts
 from joyagents_jax.models import hf_io, presets, qwen2
+from joyagents_jax.models import lora as lora_lib
 from joyagents_jax.rl import grpo, grpo_step
 
 # Named systems: groups of (preset, agents). Agents that share an architecture form one
@@ -35,7 +36,7 @@ SYSTEMS: dict[str, tuple[tuple[str, int], ...]] = {
     "7b+3b": (("qwen2.5-7b", 1), ("qwen2.5-3b", 4)),
     "tiny": (("tiny", 5),),
 }
-ROWS = ("params", "optimizer", "reference", "kv_cache", "activations")
+ROWS = ("params", "optimizer", "reference", "base", "kv_cache", "activations")
 GiB = 1 << 30
 
 
@@ -48,12 +49,21 @@ class PlanConfig:
     param_dtype: str = "float32"  # trained weights and AdamW moments
     compute_dtype: str = "bfloat16"
     ref_dtype: str = "bfloat16"  # the frozen KL reference policy
-    train_batch: int = 8  # sequences per agent in one train micro-step
+    train_batch: int = 8  # sequences per agent in one train step
+    micro_batch: int = 0  # rows per agent in one forward/backward (grpo.micro_batch; 0: all)
     seq_len: int = 1024
     rollout_batch: int = 64  # sequences per agent decoded together
     cache_len: int = 2048
     remat: bool = True
     on_indivisible: sharding.OnIndivisible = "error"
+    lora_rank: int = 0  # > 0: per-agent adapters (f32) over one frozen base (compute dtype)
+    lora_alpha: float = 16.0
+    lora_targets: str = "q|k|v|o|gate|up|down"
+
+    @property
+    def lora(self) -> lora_lib.LoRAConfig | None:
+        return (lora_lib.LoRAConfig(self.lora_rank, self.lora_alpha, self.lora_targets)
+                if self.lora_rank else None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +75,7 @@ class Group:
     ref_cfg: qwen2.Qwen2Config
     trees: dict[str, Any]  # ROWS but activations -> ShapeDtypeStructs, leading agent axis
     shardings: dict[str, Any]  # the same keys -> NamedShardings
+    lora: lora_lib.LoRAConfig | None = None  # then params are adapters over trees["base"]
 
     @property
     def agents(self) -> int:
@@ -133,20 +144,28 @@ def model_config(model: str, **dtypes) -> qwen2.Qwen2Config:
 
 def make_group(pc: PlanConfig, mesh: jax.sharding.Mesh, preset: str, agents: int) -> Group:
     """`agents` copies of `preset` (a preset name or an HF folder): params, per-agent AdamW
-    state, reference, KV cache."""
+    state, reference, KV cache. With LoRA, params, AdamW state and reference are the agents'
+    adapters (f32) and the base is stored once, in the compute dtype."""
     cfg = model_config(preset, param_dtype=pc.param_dtype, dtype=pc.compute_dtype, remat=pc.remat)
     ref_cfg = cfg.replace(param_dtype=pc.ref_dtype)
-    params = _stack(qwen2.param_shapes(cfg), agents)
+    if pc.lora:
+        cfg = cfg.replace(param_dtype=pc.compute_dtype)
+        base = qwen2.param_shapes(cfg)
+        params = reference = _stack(lora_lib.adapter_shapes(base, pc.lora), agents)
+    else:
+        base, params = {}, _stack(qwen2.param_shapes(cfg), agents)
+        reference = _stack(qwen2.param_shapes(ref_cfg), agents)
     trees = {
         "params": params,
         "optimizer": jax.eval_shape(jax.vmap(optimizer().init), params),
-        "reference": _stack(qwen2.param_shapes(ref_cfg), agents),
+        "reference": reference,
+        "base": base,
         "kv_cache": kv_cache_shape(cfg, agents, pc.rollout_batch, pc.cache_len),
     }
     shardings = {row: sharding.param_shardings(
-        mesh, tree, KV_RULES if row == "kv_cache" else sharding.DEFAULT_RULES, stacked=True,
-        on_indivisible=pc.on_indivisible) for row, tree in trees.items()}
-    return Group(preset, cfg, ref_cfg, trees, shardings)
+        mesh, tree, KV_RULES if row == "kv_cache" else sharding.DEFAULT_RULES,
+        stacked=row != "base", on_indivisible=pc.on_indivisible) for row, tree in trees.items()}
+    return Group(preset, cfg, ref_cfg, trees, shardings, pc.lora)
 
 
 def abstract_state(groups: Sequence[Group]) -> ts.TrainState:
@@ -154,10 +173,11 @@ def abstract_state(groups: Sequence[Group]) -> ts.TrainState:
     agent_groups = {}
     for i, g in enumerate(groups):
         tree = {row: sharding.abstract(g.trees[row], g.shardings[row])
-                for row in ("params", "optimizer", "reference")}
+                for row in ("params", "optimizer", "reference", "base")}
         agent_groups[f"{i}:{g.preset}"] = ts.AgentGroup(
             params=tree["params"], opt_state=tree["optimizer"], ref_params=tree["reference"],
-            model=g.cfg, optim=ts.OptimConfig())
+            model=g.cfg, optim=ts.OptimConfig(), base=tree["base"] if g.lora else None,
+            lora=g.lora)
     scalar = jax.ShapeDtypeStruct((), jnp.int32)
     return ts.TrainState(groups=agent_groups, step=scalar, skipped=scalar)
 
@@ -184,7 +204,8 @@ def activation_bytes(pc: PlanConfig, mesh: jax.sharding.Mesh, groups: Sequence[G
     the real `grpo_step` (policy and reference forward, backward, AdamW, for every agent)."""
     state = abstract_state(groups)
     step = jax.jit(functools.partial(grpo_step.grpo_step, cfg=grpo_step.GRPOStepConfig(
-        loss=grpo.GRPOConfig(beta=0.04), inner_steps=1)), donate_argnums=0)
+        loss=grpo.GRPOConfig(beta=0.04), inner_steps=1, micro_batch=pc.micro_batch or None)),
+        donate_argnums=0)
     compiled = step.lower(state, abstract_batch(pc, mesh, state)).compile()
     return compiled.memory_analysis().temp_size_in_bytes
 
@@ -207,7 +228,8 @@ def _device_capacity() -> int | None:
     return stats.get("bytes_limit")
 
 
-def format_plan(plan: Plan, capacity: int | None = None) -> str:
+def format_plan(plan: Plan, capacity: int | None = None, full_ft: Plan | None = None) -> str:
+    """The table; `full_ft`: the same system without LoRA, whose total is printed beside."""
     pc = plan.config
     mesh = " ".join(f"{k}={v}" for k, v in plan.mesh.shape.items())
     kind = plan.mesh.devices.flat[0].device_kind
@@ -216,18 +238,28 @@ def format_plan(plan: Plan, capacity: int | None = None) -> str:
         n = qwen2.count_params(g.cfg)
         size = f"{n / 1e9:.3f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
         lines.append(f"  group {g.preset} x {g.agents} agents, {size} params per agent")
+    trained = f"LoRA adapters, rank {pc.lora_rank} (float32)" if pc.lora else \
+        f"params ({pc.param_dtype})"
     labels = {
-        "params": f"params ({pc.param_dtype})",
-        "optimizer": f"optimizer (AdamW mu, nu; {pc.param_dtype})",
-        "reference": f"reference policy ({pc.ref_dtype})",
+        "params": trained,
+        "optimizer": f"optimizer (AdamW mu, nu; {'float32' if pc.lora else pc.param_dtype})",
+        "reference": ("reference policy (adapters at SFT's end)" if pc.lora else
+                      f"reference policy ({pc.ref_dtype})"),
+        "base": (f"frozen base, once per group ({pc.compute_dtype})" if pc.lora else
+                 "frozen base (none: full fine-tuning)"),
         "kv_cache": f"KV cache (rollout {pc.rollout_batch} x {pc.cache_len}, {pc.compute_dtype})",
-        "activations": f"activations, temps (train {pc.train_batch} x {pc.seq_len})",
+        "activations": f"activations, temps (train {pc.train_batch} x {pc.seq_len}"
+                       f"{f', micro {pc.micro_batch}' if pc.micro_batch else ''})",
     }
     row = lambda label, dev, tot: f"  {label:<52}{dev / GiB:>12.2f}{tot / GiB:>14.2f}"
     lines.append(f"  {'GiB':<52}{'per device':>12}{'whole system':>14}")
     lines += [row(labels[r], plan.per_device(r), plan.total(r)) for r in ROWS]
     peak = sum(plan.per_device(r) for r in ROWS)
     lines.append(row("total", peak, sum(plan.total(r) for r in ROWS)))
+    if full_ft is not None:
+        lines.append(row("full fine-tuning of the same agents, total",
+                         sum(full_ft.per_device(r) for r in ROWS),
+                         sum(full_ft.total(r) for r in ROWS)))
     if capacity:
         verdict = ("fits" if peak <= capacity else
                    f"does NOT fit (over by {(peak - capacity) / GiB:.2f} GiB)")
@@ -261,12 +293,18 @@ def from_run_config(spec: str) -> dict[str, Any]:
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
     c = module.get_config(arg) if arg else module.get_config()
+    if c.lora.rank and c.lora.groups:
+        raise ValueError(f"--config {spec}: lora.groups={c.lora.groups!r} (LoRA on some groups "
+                         f"only) is not modelled by plan; plan every group with LoRA "
+                         f"(--lora-rank) or none (--lora-rank 0).")
     groups = tuple((g.checkpoint or g.model, len(g.agents)) for g in c.groups.values())
     for model, _ in groups:
         if not os.path.isdir(model):
             presets.get_preset(model)  # a clear error for a folder that is not there
     return {"groups": groups, "param_dtype": c.param_dtype, "compute_dtype": c.dtype,
-            "remat": c.remat, "mesh": c.mesh or "fsdp=-1"}
+            "remat": c.remat, "mesh": c.mesh or "fsdp=-1", "micro_batch": c.grpo.micro_batch,
+            "lora_rank": c.lora.rank,
+            "lora_alpha": c.lora.alpha, "lora_targets": c.lora.targets}
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -289,10 +327,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                                                              f"{d.compute_dtype}")
     p.add_argument("--ref-dtype", default=d.ref_dtype)
     p.add_argument("--train-batch", type=int, default=d.train_batch, help="sequences per agent")
+    p.add_argument("--micro-batch", type=int, default=None,
+                   help="rows per agent in one forward/backward, as grpo.micro_batch (default: "
+                        "the config file's, else 0 = the whole train batch)")
     p.add_argument("--seq-len", type=int, default=d.seq_len)
     p.add_argument("--rollout-batch", type=int, default=d.rollout_batch, help="sequences per agent")
     p.add_argument("--cache-len", type=int, default=d.cache_len)
     p.add_argument("--no-remat", dest="remat", action="store_const", const=False, default=None)
+    p.add_argument("--lora-rank", type=int, default=None,
+                   help="per-agent LoRA adapters of this rank over one frozen base (default: the "
+                        "config file's, else 0 = full fine-tuning)")
+    p.add_argument("--lora-targets", default=None, help=f"default: {d.lora_targets}")
     p.add_argument("--on-indivisible", choices=("error", "replicate"), default=d.on_indivisible)
     return p.parse_args(argv)
 
@@ -310,12 +355,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                   else {"groups": parse_groups(args.config)})
         fields.update({k: v for k, v in vars(args).items() if k in names and v is not None})
         plan = make_plan(PlanConfig(**fields))
+        full_ft = make_plan(PlanConfig(**{**fields, "lora_rank": 0})) if plan.config.lora \
+            else None
     except ValueError as e:  # a bad file, mesh, batch, preset or dtype: say which and stop
         print(f"joyagents plan: {e}", file=sys.stderr)
         return 2
     capacity = int(args.device_gib * GiB) if args.device_gib else _device_capacity()
     if distributed.is_primary():
-        print(format_plan(plan, capacity))
+        print(format_plan(plan, capacity, full_ft))
     return 0
 
 

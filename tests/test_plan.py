@@ -5,6 +5,7 @@ JAX's start)."""
 import dataclasses
 import math
 
+import jax
 import pytest
 
 from joyagents_jax import plan, sharding
@@ -85,7 +86,7 @@ def test_3b_plus_3b_table_on_8_devices(plan_3b):
     assert lines[0] == "Plan on 8 x cpu (mesh agent=1 data=1 fsdp=8 tensor=1)"
     assert "group qwen2.5-3b x 5 agents, 3.086B params per agent" in lines[1]
     rows = {line[:54].strip(): [float(v) for v in line[54:].split()]
-            for line in lines[3:9]}
+            for line in lines[3:10]}
     count = qwen2.count_params(presets.get_preset("qwen2.5-3b"))
     per_device, whole = rows["params (float32)"]
     assert whole == pytest.approx(5 * count * 4 / 2**30, abs=0.005)
@@ -93,6 +94,7 @@ def test_3b_plus_3b_table_on_8_devices(plan_3b):
     assert per_device == pytest.approx(whole / 8, rel=0.01)
     assert rows["optimizer (AdamW mu, nu; float32)"][0] == pytest.approx(2 * per_device, rel=0.01)
     assert rows["activations, temps (train 8 x 1024)"][0] > 0
+    assert rows["frozen base (none: full fine-tuning)"] == [0.0, 0.0]
     assert math.isclose(rows["total"][0], sum(r[0] for k, r in rows.items() if k != "total"),
                         abs_tol=0.03)
 
@@ -116,7 +118,9 @@ def test_a_train_config_file_is_planned_from_its_folders_config_json(tmp_path, c
     spec = f"experiments/configs/qwen2p5_3b.py:{tmp_path}"
     fields = plan.from_run_config(spec)
     assert fields == {"groups": ((str(tmp_path), 5),), "param_dtype": "bfloat16",
-                      "compute_dtype": "bfloat16", "remat": True, "mesh": "fsdp=-1"}
+                      "compute_dtype": "bfloat16", "remat": True, "mesh": "fsdp=-1",
+                      "micro_batch": 16, "lora_rank": 0, "lora_alpha": 16.0,
+                      "lora_targets": "q|k|v|o|gate|up|down"}
     group = plan.make_group(plan.PlanConfig(**fields), sharding.make_mesh(), str(tmp_path), 5)
     assert (group.cfg.hidden_size, group.cfg.num_layers, group.cfg.vocab_size) == (32, 2, 300)
     assert plan.main(["--config", spec, "--train-batch", "2", "--seq-len", "16",
@@ -124,3 +128,24 @@ def test_a_train_config_file_is_planned_from_its_folders_config_json(tmp_path, c
     assert f"group {tmp_path} x 5 agents" in capsys.readouterr().out
     assert plan.main(["--config", "experiments/configs/qwen2p5_3b.py:/no/such/folder"]) == 2
     assert "Unknown model preset '/no/such/folder'" in capsys.readouterr().err
+
+
+def test_lora_plans_adapters_per_agent_and_the_base_once():
+    from joyagents_jax.models import lora
+
+    pc = dataclasses.replace(TINY, lora_rank=4, compute_dtype="bfloat16")
+    group = plan.make_group(pc, sharding.make_mesh(), "tiny", 3)
+    cfg = presets.get_preset("tiny")
+    adapters = sum(math.prod(x.shape) for x in jax.tree.leaves(
+        lora.adapter_shapes(qwen2.param_shapes(cfg), pc.lora)))
+    assert adapters < qwen2.count_params(cfg) / 5
+    assert group.bytes("params", per_device=False) == 3 * adapters * 4  # f32, per agent
+    assert group.bytes("reference", per_device=False) == 3 * adapters * 4
+    assert group.bytes("optimizer", per_device=False) == 2 * 3 * adapters * 4 + 3 * 2 * 4
+    assert group.bytes("base", per_device=False) == qwen2.count_params(cfg) * 2  # once, bf16
+    full = plan.make_group(TINY, sharding.make_mesh(), "tiny", 3)
+    assert full.bytes("base", per_device=False) == 0
+    lora_plan = plan.Plan(pc, sharding.make_mesh(), [group], activations=0)
+    text = plan.format_plan(lora_plan, full_ft=plan.Plan(TINY, sharding.make_mesh(), [full], 0))
+    assert "LoRA adapters, rank 4 (float32)" in text and "frozen base, once per group" in text
+    assert "full fine-tuning of the same agents, total" in text
