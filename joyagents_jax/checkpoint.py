@@ -281,7 +281,8 @@ class Checkpointer:
         leaves without a sharding go to the first device. It may also be a function of the
         step's metadata returning that pytree, when the state's shape depends on it (e.g. the
         phase). Raises `CheckpointMismatchError` if the arrays differ from the saved ones in
-        shape, FileNotFoundError if there is no such step.
+        shape, the tree in structure, or building `abstract` fails (none of which is a corrupt
+        checkpoint), FileNotFoundError if there is no such step.
         """
         step, items = self._json_items(step)
         missing = [name for name in _REQUIRED if not (self.directory / str(step) / name).exists()]
@@ -289,14 +290,25 @@ class Checkpointer:
             raise FileNotFoundError(f"checkpoint step {step} lacks {', '.join(missing)}")
         metadata = items[METADATA]
         if callable(abstract):
-            abstract = abstract(metadata)
+            try:
+                abstract = abstract(metadata)
+            except Exception as e:  # the caller's code or config, not the checkpoint
+                raise CheckpointMismatchError(f"building the state to restore checkpoint step "
+                                              f"{step} into failed: {e!r}") from e
         _layout_check(abstract, items[LAYOUT]["arrays"], step)
         for diff in static_fields_check(abstract, items[LAYOUT]["static"]):
             logging.warning("Checkpoint step %d: static field differs, using the current value: "
                             "%s", step, diff)
         target = jax.tree.map(_abstract, abstract)
-        arrays = self._manager.restore(step, args=ocp.args.Composite(
-            **{STATE: ocp.args.StandardRestore(target)}))
+        try:
+            arrays = self._manager.restore(step, args=ocp.args.Composite(
+                **{STATE: ocp.args.StandardRestore(target)}))
+        except ValueError as e:
+            if "tree structures do not match" not in str(e):
+                raise
+            raise CheckpointMismatchError(  # same arrays (checked above), other pytree nodes
+                f"checkpoint step {step} was saved from a state of another structure than this "
+                f"version of the code builds: {e}") from e
         return arrays[STATE], metadata
 
     def restore_latest_valid(self, abstract: Any) -> tuple[Any, dict[str, Any]] | None:

@@ -174,10 +174,10 @@ def abstract_state(groups: Sequence[Group]) -> ts.TrainState:
     for i, g in enumerate(groups):
         tree = {row: sharding.abstract(g.trees[row], g.shardings[row])
                 for row in ("params", "optimizer", "reference", "base")}
-        agent_groups[f"{i}:{g.preset}"] = ts.AgentGroup(
-            params=tree["params"], opt_state=tree["optimizer"], ref_params=tree["reference"],
-            model=g.cfg, optim=ts.OptimConfig(), base=tree["base"] if g.lora else None,
-            lora=g.lora)
+        fields = dict(params=tree["params"], opt_state=tree["optimizer"],
+                      ref_params=tree["reference"], model=g.cfg, optim=ts.OptimConfig())
+        agent_groups[f"{i}:{g.preset}"] = (ts.AgentGroup(**fields) if g.lora is None else
+                                           ts.LoRAGroup(**fields, base=tree["base"], lora=g.lora))
     scalar = jax.ShapeDtypeStruct((), jnp.int32)
     return ts.TrainState(groups=agent_groups, step=scalar, skipped=scalar)
 

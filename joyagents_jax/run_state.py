@@ -31,7 +31,8 @@ class RunState:
     def without_bases(self) -> RunState:
         """What a checkpoint holds: LoRA groups keep their adapters, not the frozen base
         (`Experiment.save_bases` writes it once)."""
-        groups = {g: grp.replace(base=None) for g, grp in self.train.groups.items()}
+        groups = {g: grp if grp.lora is None else grp.replace(base=None)
+                  for g, grp in self.train.groups.items()}
         return self.replace(train=self.train.replace(groups=groups))
 
     def next(self, train: ts.TrainState, memory_tables: dict | None = None) -> RunState:

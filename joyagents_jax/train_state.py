@@ -90,21 +90,18 @@ def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
 
 @flax.struct.dataclass
 class AgentGroup:
-    """Agents of one architecture. Every array leaf has a leading agent axis [A, ...], except
-    the LoRA base.
-
-    Full fine-tuning (`lora` None): `params` are the agents' weights. LoRA: `params` are the
-    agents' adapters (`models/lora.py`) over one frozen `base` stored once; only adapters get
-    gradients and optimizer state, and `ref_params` are the adapters at the end of SFT.
-    """
+    """Agents of one architecture, fully fine-tuned. Every array leaf has a leading agent axis
+    [A, ...]: `params` are the agents' weights."""
 
     params: Params
     opt_state: optax.OptState
     ref_params: Params | None  # frozen KL reference (the SFT result); None when unused
     model: qwen2.Qwen2Config = flax.struct.field(pytree_node=False)
     optim: OptimConfig = flax.struct.field(pytree_node=False)
-    base: Params | None = None  # LoRA: the frozen base, no agent axis
-    lora: lora_lib.LoRAConfig | None = flax.struct.field(pytree_node=False, default=None)
+    # Class attributes, not fields (a `LoRAGroup` makes them fields): full fine-tuning has no
+    # base, and its pytree (hence its checkpoints) stays as it was before LoRA existed.
+    base = None
+    lora = None
 
     @property
     def num_agents(self) -> int:
@@ -115,10 +112,8 @@ class AgentGroup:
         return make_optimizer(self.optim)
 
     def view(self, tree: Params) -> Params | lora_lib.LoRAParams:
-        """The policy that `tree` (params or ref_params, [A, ...] or one agent's) stands for:
-        itself, or the base with those adapters."""
-        return tree if self.lora is None else lora_lib.LoRAParams(self.base, tree,
-                                                                  self.lora.scale)
+        """The policy that `tree` (params or ref_params, [A, ...] or one agent's) stands for."""
+        return tree
 
     @property
     def policies(self) -> Params | lora_lib.LoRAParams:
@@ -139,6 +134,19 @@ class TrainState:
     groups: dict[str, AgentGroup]
     step: jax.Array  # [] int32, applied steps
     skipped: jax.Array  # [] int32, steps dropped for a non-finite loss, gradient or update
+
+
+@flax.struct.dataclass
+class LoRAGroup(AgentGroup):
+    """Agents of one architecture as LoRA adapters (`models/lora.py`) over one frozen `base`
+    stored once, without an agent axis. `params` are the adapters [A, ...]; only they get
+    gradients and AdamW state, and `ref_params` are the adapters at the end of SFT."""
+
+    base: Params | None = None  # None only in what a checkpoint holds (`RunState.without_bases`)
+    lora: lora_lib.LoRAConfig | None = flax.struct.field(pytree_node=False, default=None)
+
+    def view(self, tree: Params) -> lora_lib.LoRAParams:
+        return lora_lib.LoRAParams(self.base, tree, self.lora.scale)
 
 
 def stack_agents(params: Sequence[Params]) -> Params:
@@ -173,9 +181,9 @@ def init_group(model: qwen2.Qwen2Config, optim: OptimConfig, params: Params, *,
     """A group from stacked params [A, ...] (with `lora`: stacked adapters over `base`); the
     reference starts as a copy of them."""
     opt_state = _init_opt_state(optim, params)
-    return AgentGroup(params=params, opt_state=opt_state,
-                      ref_params=_copy(params) if reference else None, model=model, optim=optim,
-                      base=base, lora=lora)
+    fields = dict(params=params, opt_state=opt_state, ref_params=_copy(params) if reference
+                  else None, model=model, optim=optim)
+    return AgentGroup(**fields) if lora is None else LoRAGroup(**fields, base=base, lora=lora)
 
 
 def init_random_group(model: qwen2.Qwen2Config, optim: OptimConfig, num_agents: int,
@@ -219,9 +227,12 @@ def state_shardings(state: TrainState, mesh: Mesh, rules: sharding.Rules = shard
     """
     place = lambda tree, stacked=True: sharding.param_shardings(mesh, tree, rules,
                                                                 stacked=stacked, **kwargs)
-    groups = {name: g.replace(params=place(g.params), opt_state=place(g.opt_state),
-                              ref_params=place(g.ref_params), base=place(g.base, False))
-              for name, g in state.groups.items()}
+    groups = {}
+    for name, g in state.groups.items():
+        groups[name] = g.replace(params=place(g.params), opt_state=place(g.opt_state),
+                                 ref_params=place(g.ref_params))
+        if g.lora is not None:
+            groups[name] = groups[name].replace(base=place(g.base, False))
     replicated = NamedSharding(mesh, P())
     return state.replace(groups=groups, step=replicated, skipped=replicated)
 

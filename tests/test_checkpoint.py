@@ -169,6 +169,20 @@ def test_config_mismatch_is_an_error_not_corruption(tmp_path, caplog):
         assert _bits(cast["train"].groups["subs"].params["embed"]) == _bits(want)
 
 
+def test_a_state_of_another_structure_or_a_failing_target_is_not_corruption(tmp_path):
+    """Neither a target with a node the saved tree lacks (the same arrays) nor a target
+    function that raises sets a good checkpoint aside."""
+    with checkpoint.Checkpointer(tmp_path, async_save=False) as ckpt:
+        ckpt.save(1, {"w": jnp.ones(2)}, {"phase": "sft"})
+        with pytest.raises(checkpoint.CheckpointMismatchError, match="another structure"):
+            ckpt.restore_latest_valid({"w": jnp.ones(2), "extra": None})
+        with pytest.raises(checkpoint.CheckpointMismatchError, match="KeyError"):
+            ckpt.restore_latest_valid(lambda meta: {"w": jnp.ones(2)}[meta["missing"]])
+        assert ckpt.all_steps() == [1]
+        restored, _ = ckpt.restore_latest_valid({"w": jnp.zeros(2)})
+    np.testing.assert_array_equal(restored["w"], np.ones(2))
+
+
 def test_empty_directory_restores_nothing(tmp_path):
     with checkpoint.Checkpointer(tmp_path / "new") as ckpt:
         assert ckpt.latest_step() is None
