@@ -11,6 +11,10 @@ alone, as its share of the step; the rollout and memory shares of a real step ar
 
     python benchmarks/train_step.py [--sizes tiny,small-30m] [--agents 5] [--batch 16] [--seq 256]
     python benchmarks/train_step.py --sizes base-120m --agents 1
+    python benchmarks/train_step.py --lora-rank 8    # also the step of rank-8 LoRA agents
+
+With --lora-rank, the same step also runs with each agent as LoRA adapters (all projections)
+over one shared frozen base, on the same batch: its time and its ratio to full fine-tuning.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import hardware  # noqa: E402
 
 from joyagents_jax import sft  # noqa: E402
 from joyagents_jax import train_state as ts  # noqa: E402
-from joyagents_jax.models import presets, qwen2  # noqa: E402
+from joyagents_jax.models import lora, presets, qwen2  # noqa: E402
 from joyagents_jax.rl import grpo, grpo_step  # noqa: E402
 
 
@@ -86,12 +90,15 @@ def main():
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--inner", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--lora-rank", type=int, default=0)
     args = parser.parse_args()
     peak = hardware.matmul_peak(jnp.float32)
     print(f"# devices {jax.devices()}; f32 matmul peak {peak / 1e9:.1f} GFLOP/s")
+    lora_cols = (f" LoRA r{args.lora_rank} step s | LoRA / full |", "---|---|") \
+        if args.lora_rank else ("", "")
     print("| model | params | agents x batch x seq | step s | GFLOP/step | GFLOP/s | % of peak "
-          "| reference forward s | share of step |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| reference forward s | share of step |" + lora_cols[0])
+    print("|---|---|---|---|---|---|---|---|---|" + lora_cols[1])
     for size in args.sizes.split(","):
         cfg = presets.get_preset(size)
         group = ts.init_random_group(cfg, ts.OptimConfig(learning_rate=1e-4), args.agents,
@@ -104,10 +111,24 @@ def main():
         t_ref = best_time(lambda _: ref(group.params, r.tokens, r.mask), None, args.repeats)
         t = best_time(lambda s: step(s, data)[0], state, args.repeats)
         flops = step_flops(cfg, args.agents, args.batch, args.seq, args.inner)
+        lora_cells = ""
+        if args.lora_rank:
+            t_lora = best_time(lambda s: step(s, data)[0], lora_state(cfg, args), args.repeats)
+            lora_cells = f" {t_lora:.3f} | {t_lora / t:.2f} |"
         print(f"| {size} | {qwen2.count_params(cfg) / 1e6:.2f}M | {args.agents}x{args.batch}x"
               f"{args.seq} | {t:.3f} | {flops / 1e9:.1f} | {flops / t / 1e9:.1f} | "
-              f"{100 * flops / t / peak:.0f}% | {t_ref:.3f} | {100 * t_ref / t:.0f}% |",
-              flush=True)
+              f"{100 * flops / t / peak:.0f}% | {t_ref:.3f} | {100 * t_ref / t:.0f}% |"
+              + lora_cells, flush=True)
+
+
+def lora_state(cfg: qwen2.Qwen2Config, args) -> ts.TrainState:
+    """`args.agents` rank-`args.lora_rank` adapters over one random base."""
+    lcfg = lora.LoRAConfig(args.lora_rank)
+    base = qwen2.init_params(cfg, jax.random.key(1))
+    adapters = ts.stack_agents([lora.init_adapters(base, lcfg, k)
+                                for k in jax.random.split(jax.random.key(2), args.agents)])
+    return ts.create({"all": ts.init_group(cfg, ts.OptimConfig(learning_rate=1e-4), adapters,
+                                           base=base, lora=lcfg)})
 
 
 if __name__ == "__main__":

@@ -30,6 +30,11 @@ def test_the_default_and_real_checkpoint_configs_are_valid(tmp_path):
 
 @pytest.mark.parametrize("overrides, fragment", [
     ({"grpo__kl": "k9"}, "config.grpo.kl='k9': not one of k1, k2, k3"),
+    ({"lora__rank": -1}, "config.lora.rank=-1: must be >= 0 (0 = full fine-tuning)"),
+    ({"lora__alpha": 0.0}, "config.lora.alpha=0.0: must be > 0"),
+    ({"lora__targets": "qkv"}, "config.lora.targets='qkv': must be a regex matching the whole"),
+    ({"lora__targets": "(q"}, "config.lora.targets='(q': must be a regex"),
+    ({"lora__groups": "all,subs"}, "config.lora.groups='all,subs': no agent group named ['subs']"),
     ({"grpo__aggregation": "bogus"}, "config.grpo.aggregation='bogus': not one of token_mean"),
     ({"grpo__advantage": "bogus"}, "config.grpo.advantage='bogus': not one of std"),
     ({"sft__learning_rate": math.nan}, "config.sft.learning_rate=nan: must be finite"),
