@@ -185,6 +185,8 @@ class Experiment:
     def attach_bases(self, run: RunState, fresh: RunState) -> RunState:
         """`run` restored from a checkpoint (LoRA bases absent) with its bases back: saved by
         `save_bases`, or those of the fresh state `fresh` when LoRA starts at step 0."""
+        if all(grp.lora is None for grp in run.train.groups.values()):
+            return run
         groups = dict(run.train.groups)
         for g, grp in groups.items():
             if grp.lora is None:
