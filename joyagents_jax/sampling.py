@@ -210,11 +210,11 @@ class Sampler:
 
         out = {} if mesh is None else {"out_shardings": NamedSharding(mesh, P())}
         self._one = jax.jit(core, static_argnums=(0, 1), **out)
-        self._per_agent = jax.jit(
-            lambda scfg, g, params, *args: jax.vmap(
-                lambda *a: core(scfg, g, *a), in_axes=(lora.agent_axes(params),) + (0,) * len(args))(
-                params, *args),
-            static_argnums=(0, 1), **out)
+        def per_agent(scfg, group_size, params, *args):  # only LoRA adapters carry the axis
+            axes = (lora.agent_axes(params),) + (0,) * len(args)
+            return jax.vmap(lambda *a: core(scfg, group_size, *a), in_axes=axes)(params, *args)
+
+        self._per_agent = jax.jit(per_agent, static_argnums=(0, 1), **out)
 
     def generate(self, params: Params, prompts: Sequence[Sequence[int]], *, key: jax.Array,
                  scfg: SamplingConfig, group_size: int = 1, stop_ids=(), stop_strings=(),

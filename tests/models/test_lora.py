@@ -1,4 +1,5 @@
-"""LoRA adapters: zero-b equals the base bitwise, gradients reach only adapters, merging is exact."""
+"""LoRA adapters: a zero b equals the base bitwise, every adapter gets a gradient, merging is
+exact, and vmap maps the adapters alone."""
 
 import chex
 import jax
