@@ -67,13 +67,15 @@ def get_config() -> ml_collections.ConfigDict:
     # (benchmarks/RESULTS.md, "a diagnosis"). tempered_loss: the loss scores softmax(logits /
     # temperature), the distribution the rollouts drew from (False: the raw policy).
     # memory_groups="drop" leaves out node groups whose episodes hold a memory answer, so GRPO
-    # learns only from episodes the policies produced alone ("keep": all).
+    # learns only from episodes the policies produced alone ("keep": all). min_groups > 0 turns
+    # on dynamic sampling (DAPO): while fewer node groups than that have a reward spread, up to
+    # max_refills more batches of `queries` fresh train queries are rolled out (0: off).
     c.grpo = ml_collections.ConfigDict(dict(
         steps=30, queries=12, group_size=4, mode="nodewise", topk=5, select="groups",
         micro_batch=16, inner_steps=2, beta=0.04, eps_low=0.2, eps_high=0.28, kl="k3",
         aggregation="seq_mean_token_mean", advantage="std", learning_rate=1e-5, warmup_steps=0,
         clip_norm=1.0, temperature=0.3, tempered_loss=False, top_p=1.0, top_k=0,
-        memory_groups="keep", w_format=0.1, w_efficiency=0.05))
+        memory_groups="keep", w_format=0.1, w_efficiency=0.05, min_groups=0, max_refills=2))
 
     # Reuse needs a (near-)identical node input: with mean-pooled embeddings of a tiny model,
     # different prompts of one agent reach cosine 0.9996 (measured). Hints are off by default

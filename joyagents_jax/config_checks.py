@@ -250,7 +250,10 @@ def _grpo(c) -> Iterator[str]:
                     _number(c, "grpo.top_p", low=0, high=1, low_open=True),
                     _number(c, "grpo.top_k", low=0, integer=True, why="0 = no top-k cut"),
                     _flag(c, "grpo.tempered_loss"), _choice(c, "grpo.memory_groups", MEMORY_GROUPS),
-                    _number(c, "grpo.w_format", low=0), _number(c, "grpo.w_efficiency", low=0))
+                    _number(c, "grpo.w_format", low=0), _number(c, "grpo.w_efficiency", low=0),
+                    _number(c, "grpo.min_groups", low=0, integer=True,
+                            why="0 turns dynamic sampling off"),
+                    _number(c, "grpo.max_refills", low=0, integer=True))
     if g.memory_groups == "drop" and g.mode == "full_tree":
         yield ("config.grpo.memory_groups=drop: full_tree rollouts do not mark memory-answered "
                "episodes; use grpo.mode=nodewise or trajectory, or memory_groups=keep.")

@@ -323,18 +323,17 @@ class Experiment:
 
         1. sample each query's initial trajectory and branch its nodes (node-wise Monte Carlo;
            `grpo.mode` picks the trajectory or full-tree baselines), the memory answering the
-           nodes it holds; score every episode with R = R_A + R_F - R_E;
+           nodes it holds; score every episode with R = R_A + R_F - R_E (dynamic sampling,
+           when on, adds queries until enough node groups have a reward spread);
         2. build the batch from the node groups that have a reward spread;
         3. the marginal-benefit update: each agent's top-K node groups by reward variance, one
            clipped GRPO step of every selected agent;
         4. the memory update, fed by the same rollout's rewards.
         """
         start, k = time.perf_counter(), int(run.step) - self.config.sft.steps
-        key = jax.random.fold_in(jax.random.key(self.config.seed), 2_000_003 + k)
-        memory = self.memory_view(run) if self.config.memory.in_rollouts else None
-        result = rollout.Rollout(self.system, self.tokenizer, self.policy(run.train, key),
-                                 self.parts.rollout, memory).run(self.train_tasks(k))
+        result, refills = self._rollout(run, k)
         metrics = self._rollout_metrics(result, time.perf_counter() - start)
+        metrics["rollout/refills"] = refills
         trained = self._trainable(result.samples, metrics)
         train = run.train
         if trained:  # else no node group has a reward spread: nothing to learn, no step
@@ -350,16 +349,48 @@ class Experiment:
         metrics["time/step_seconds"] = time.perf_counter() - start
         return run.next(train, tables), metrics
 
-    def _trainable(self, samples: list[rollout.Sample], metrics: dict) -> list[rollout.Sample]:
-        """The samples a GRPO step can learn from: fitting in max_len, a finite reward, not
-        touched by the memory (memory_groups="drop"), and (select="groups") in a node group
-        with a reward spread. Logs the rest."""
+    def _rollout(self, run: RunState, k: int) -> tuple[rollout.RolloutResult, int]:
+        """GRPO step k's rollout of `grpo.queries` queries. With dynamic sampling
+        (`grpo.min_groups` > 0, DAPO's refill) up to `grpo.max_refills` more batches of fresh
+        queries are rolled out while fewer than min_groups node groups have a reward spread,
+        so a step still has something to learn once most of the traffic's samples agree.
+        Returns the (merged) rollout and the number of refills."""
+        g = self.config.grpo
+        key = jax.random.fold_in(jax.random.key(self.config.seed), 2_000_003 + k)
+        memory = self.memory_view(run) if self.config.memory.in_rollouts else None
+        roll = lambda tasks, key: rollout.Rollout(self.system, self.tokenizer, self.policy(
+            run.train, key), self.parts.rollout, memory).run(tasks)
+        result, r = roll(self.train_tasks(k), key), 0
+        while g.min_groups and r < g.max_refills and len(
+                {s.group for s in self._filter(result.samples)[-1]}) < g.min_groups:
+            r += 1
+            result = rollout.merge([result, roll(self.refill_tasks(k, r),
+                                                 jax.random.fold_in(key, r))])
+        return result, r
+
+    def refill_tasks(self, k: int, r: int) -> list[rollout.Task]:
+        """Refill r of GRPO step k: `grpo.queries` distinct train queries, seeded by (k, r)."""
+        source = self.sources["train"]
+        rng = np.random.default_rng([self.config.seed, 11, k, r])
+        picks = rng.choice(len(source), min(self.config.grpo.queries, len(source)), replace=False)
+        return [task_of(suite.decode(source[int(i)])) for i in picks]
+
+    def _filter(self, samples: list[rollout.Sample]):
+        """(fitting, finite, own, trained) samples, each a subset of the one before: see
+        `_trainable`."""
         fits = [s for s in samples if len(s.prompt_ids) + len(s.output_ids) <= self.config.max_len]
         finite = [s for s in fits if math.isfinite(s.reward)]  # a bad reward trains nothing
         own = finite
         if self.config.grpo.memory_groups == "drop":  # episodes the policies alone produced
             own = [s for s in finite if not s.uses_memory]
         trained = batching.informative(own) if self.config.grpo.select == "groups" else own
+        return fits, finite, own, trained
+
+    def _trainable(self, samples: list[rollout.Sample], metrics: dict) -> list[rollout.Sample]:
+        """The samples a GRPO step can learn from: fitting in max_len, a finite reward, not
+        touched by the memory (memory_groups="drop"), and (select="groups") in a node group
+        with a reward spread. Logs the rest."""
+        fits, finite, own, trained = self._filter(samples)
         for agent in self.config.agents:  # over all rollout samples, not only the trained ones
             rewards = [s.reward for s in finite if s.agent == agent]
             metrics[f"grpo/reward/{agent}"] = float(np.mean(rewards)) if rewards else 0.0

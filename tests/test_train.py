@@ -373,3 +373,26 @@ def _check_lora_export(exp, group, out, workdir):
             with torch.no_grad():
                 ref = model(input_ids=torch.tensor(tokens)).logits.numpy()
             np.testing.assert_allclose(ours, ref, atol=1e-4)
+
+
+def test_dynamic_sampling_refills_with_fresh_queries_and_keeps_the_first_rollout(data_dir, tmp_path):
+    """grpo.min_groups above what a rollout can give: every refill runs, on new seeded queries,
+    and the merged rollout starts with exactly the rollout that dynamic sampling off makes."""
+    def rollout_of(**extra):
+        exp = evaluate.experiment.Experiment(_config(data_dir=data_dir, **extra),
+                                             str(tmp_path / str(len(extra))))
+        return exp, exp._rollout(exp.start_grpo(exp.init_run()), 0)
+
+    _, (plain, none) = rollout_of()
+    exp, (merged, refills) = rollout_of(**{"grpo.min_groups": 10**6, "grpo.max_refills": 2})
+    assert (none, refills) == (0, 2)
+    queries = [t.query for r in (1, 2) for t in exp.refill_tasks(0, r)]
+    assert len(queries) == 2 * exp.config.grpo.queries
+    assert [t.query for t in exp.refill_tasks(0, 1)] == [t.query for t in exp.refill_tasks(0, 1)]
+    assert [tr.episode.query for tr in merged.episodes[len(plain.episodes):]] == queries
+    n = len(plain.samples)
+    for a, b in zip(plain.samples, merged.samples[:n]):
+        assert (a.agent, a.group, a.prompt_ids, a.reward) == (b.agent, b.group, b.prompt_ids, b.reward)
+        np.testing.assert_array_equal(a.output_ids, b.output_ids)
+    assert {s.group for s in plain.samples}.isdisjoint(s.group for s in merged.samples[n:])
+    assert merged.counters.generated_tokens > plain.counters.generated_tokens

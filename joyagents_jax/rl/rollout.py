@@ -143,6 +143,25 @@ class RolloutResult(NamedTuple):
     counters: Counters
 
 
+def merge(results: Sequence[RolloutResult]) -> RolloutResult:
+    """Several rollouts of one step as one: node group and query ids renumbered so they stay
+    unique, episodes and rewards concatenated, counters summed (dynamic sampling's refills)."""
+    samples, episodes, rewards, counters = [], [], [], Counters()
+    groups = queries = 0
+    for r in results:
+        samples += [s._replace(group=s.group + groups, query=s.query + queries) for s in r.samples]
+        groups += max((s.group + 1 for s in r.samples), default=0)
+        queries += max((s.query + 1 for s in r.samples), default=0)
+        episodes += r.episodes
+        rewards += r.rewards
+        for f in dataclasses.fields(Counters):
+            if f.name != "seconds":
+                setattr(counters, f.name, getattr(counters, f.name) + getattr(r.counters, f.name))
+        for k, v in r.counters.seconds.items():
+            counters.seconds[k] += v
+    return RolloutResult(samples, episodes, rewards, counters)
+
+
 class Task(NamedTuple):
     """What a rollout needs of an example: the query and how to score its answer."""
 

@@ -255,3 +255,22 @@ def test_separate_and_vmapped_agent_calls_sample_alike(examples, sys_, monkeypat
         outputs.append([[g.text for g in row] for row in policy.sample(inputs, 2)])
         assert policy.calls == (1 if vmap else 2)
     assert outputs[0] == outputs[1]
+
+
+def test_merge_renumbers_groups_and_sums_counters(examples, sys_):
+    exs = list(examples.values())
+    cfg = rollout.RolloutConfig(mode="nodewise", group_size=2)
+    run = lambda tasks: rollout.Rollout(sys_, TOK, ScriptedPolicy(gold_script(exs, 2)), cfg).run(tasks)
+    first, second = run([_task(exs[0])]), run([_task(e) for e in exs[1:3]])
+    merged = rollout.merge([first, second])
+
+    assert len(merged.samples) == len(first.samples) + len(second.samples)
+    assert merged.episodes == first.episodes + second.episodes
+    assert merged.rewards == first.rewards + second.rewards
+    groups = lambda samples: [s.group for s in samples]
+    n = len(first.samples)
+    assert groups(merged.samples[:n]) == groups(first.samples)
+    shift = max(groups(first.samples)) + 1
+    assert groups(merged.samples[n:]) == [g + shift for g in groups(second.samples)]
+    for f in ("sampler_calls", "waves", "generated_tokens", "llm_nodes", "alternatives"):
+        assert getattr(merged.counters, f) == getattr(first.counters, f) + getattr(second.counters, f)
