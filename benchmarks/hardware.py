@@ -6,6 +6,10 @@ Run alone: `python benchmarks/hardware.py`.
 
 from __future__ import annotations
 
+import datetime
+import json
+import os
+import sys
 import time
 
 import jax
@@ -34,6 +38,30 @@ def memory_bandwidth(mbytes: int = 512) -> float:
     """Bytes/s of a streaming reduction over a buffer far larger than the caches."""
     x = jnp.ones((mbytes << 20) // 4, jnp.float32)
     return x.nbytes / best_time(jax.jit(jnp.sum), x)
+
+
+def device_name() -> str:
+    """The first device in words, e.g. 'cpu' or 'NVIDIA H100 80GB HBM3'."""
+    d = jax.devices()[0]
+    return getattr(d, "device_kind", d.platform)
+
+
+def record_results(path: str, records: list[dict]) -> None:
+    """Merges `records` into the JSON list at `path`: a record replaces the one of the same
+    model and device (so runs of separate sizes accumulate). Each gets the command and date."""
+    stamp = {"device": device_name(), "command": " ".join(["python"] + sys.argv),
+             "date": datetime.date.today().isoformat()}
+    records = [{**r, **stamp} for r in records]
+    new = {(r["model"], r["device"]) for r in records}
+    old = []
+    if os.path.exists(path):
+        with open(path) as f:
+            old = [r for r in json.load(f) if (r["model"], r["device"]) not in new]
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(old + records, f, indent=1)
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ every decode step streams the weights and the KV cache once).
 
     python benchmarks/sampling.py [--sizes tiny,small-30m] [--prompt-len 64] [--repeats 3]
     python benchmarks/sampling.py --sizes base-120m --repeats 2
+
+Each row is also merged into `benchmarks/results/sampling.json` (one record per model and device).
 """
 
 from __future__ import annotations
@@ -89,6 +91,8 @@ def main():
     parser.add_argument("--sizes", default="tiny,small-30m")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                      "results", "sampling.json"))
     args = parser.parse_args()
 
     peak = hardware.matmul_peak(jnp.float32)
@@ -115,6 +119,12 @@ def main():
         print(f"| {size} | {qwen2.count_params(cfg) / 1e6:.2f}M | {tokens / t_ours:,.0f} | "
               f"{tokens / t_hf:,.0f} | {t_hf / t_ours:.1f}x | {flops / 1e9:.1f} | "
               f"{roof / 1e9:.1f} | {100 * flops / roof:.0f}% |", flush=True)
+        hardware.record_results(args.out, [{
+            "model": size, "params": qwen2.count_params(cfg), "ours_tok_s": tokens / t_ours,
+            "hf_tok_s": tokens / t_hf, "tunix_tok_s": None, "ours_over_hf": t_hf / t_ours,
+            "gflop_s": flops / 1e9, "roofline_gflop_s": roof / 1e9, "roofline_frac": flops / roof,
+            "matmul_peak_gflop_s": peak / 1e9, "prompts": PROMPTS, "group": GROUP,
+            "prompt_len": args.prompt_len, "new_tokens": NEW}])
 
 
 if __name__ == "__main__":

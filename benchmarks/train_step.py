@@ -13,6 +13,7 @@ alone, as its share of the step; the rollout and memory shares of a real step ar
     python benchmarks/train_step.py --sizes base-120m --agents 1
     python benchmarks/train_step.py --lora-rank 8    # also the step of rank-8 LoRA agents
 
+Each row is also merged into `benchmarks/results/train_step.json` (one record per model and device).
 With --lora-rank, the same step also runs with each agent as LoRA adapters (all projections)
 over one shared frozen base, on the same batch: its time and its ratio to full fine-tuning.
 """
@@ -91,6 +92,8 @@ def main():
     parser.add_argument("--inner", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--lora-rank", type=int, default=0)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                      "results", "train_step.json"))
     args = parser.parse_args()
     peak = hardware.matmul_peak(jnp.float32)
     print(f"# devices {jax.devices()}; f32 matmul peak {peak / 1e9:.1f} GFLOP/s")
@@ -119,6 +122,12 @@ def main():
               f"{args.seq} | {t:.3f} | {flops / 1e9:.1f} | {flops / t / 1e9:.1f} | "
               f"{100 * flops / t / peak:.0f}% | {t_ref:.3f} | {100 * t_ref / t:.0f}% |"
               + lora_cells, flush=True)
+        hardware.record_results(args.out, [{
+            "model": size, "params": qwen2.count_params(cfg), "agents": args.agents,
+            "batch": args.batch, "seq": args.seq, "inner_steps": args.inner, "step_s": t,
+            "gflop_per_step": flops / 1e9, "gflop_s": flops / t / 1e9, "peak_frac": flops / t / peak,
+            "matmul_peak_gflop_s": peak / 1e9, "reference_forward_s": t_ref,
+            "lora_step_s": t_lora if args.lora_rank else None}])
 
 
 def lora_state(cfg: qwen2.Qwen2Config, args) -> ts.TrainState:

@@ -1,10 +1,10 @@
 """Jitted generation: one prefill per prompt, then a KV-cache decode loop over G samples each.
 
-`generate_arrays` is the pure, jitted core: prefill the [B, P] prompts once, broadcast each
-prompt's cache to its G samples (copied, never recomputed), then decode all B*G rows in one
-`lax.while_loop` that exits as soon as every row has stopped. It returns the chosen tokens with
-their log-probs under the sampling distribution (temperature, top-k, top-p) and under the raw
-policy (what GRPO needs).
+`generate_arrays` is the pure, jitted core: prefill the [B, P] prompts once, then decode all
+B*G rows in `lax.while_loop`s that exit as soon as every row has stopped, the G samples of a
+prompt reading its one prompt cache. It returns the chosen tokens with their log-probs under
+the sampling distribution (temperature, top-k, top-p) and under the raw policy (what GRPO
+needs).
 
 `Sampler` is the host wrapper: it left-pads prompts into power-of-two buckets (bounded
 recompiles, counted in `Sampler.compiles`), validates input, applies stop strings that token
@@ -28,6 +28,7 @@ from joyagents_jax.models import lora, qwen2
 from joyagents_jax.models.qwen2 import Params, Qwen2Config
 
 NO_TOKEN = -1  # padding in stop tables; never a real token id
+BLOCK = 16  # decode steps between appends to the generated tokens' cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,10 +90,21 @@ def choose_tokens(logits: jax.Array, key: jax.Array, scfg: SamplingConfig):
         logp_sample = jnp.zeros(tokens.shape, jnp.float32)  # a point mass
     else:
         filtered = jax.nn.log_softmax(filter_logits(logits, scfg), axis=-1)
-        tokens = jax.random.categorical(key, filtered, axis=-1)
+        tokens = draw(key, filtered)
         logp_sample = jnp.take_along_axis(filtered, tokens[:, None], axis=-1)[:, 0]
     logp_policy = jnp.take_along_axis(policy, tokens[:, None], axis=-1)[:, 0]
     return tokens.astype(jnp.int32), logp_sample, logp_policy
+
+
+def draw(key: jax.Array, logp: jax.Array) -> jax.Array:
+    """One token per row of log-probs [R, V] by inverting the CDF with one uniform per row:
+    R random numbers instead of the R x V of Gumbel-max (`jax.random.categorical`), whose
+    bits were a fifth of a small model's decode step on CPU. u is in (0, 1], so the first
+    index whose CDF reaches u * total always has positive mass."""
+    cdf = jnp.cumsum(jnp.exp(logp), axis=-1)
+    u = 1.0 - jax.random.uniform(key, (logp.shape[0], 1), jnp.float32)
+    index = jnp.sum(cdf < u * cdf[:, -1:], axis=-1)
+    return jnp.minimum(index, logp.shape[-1] - 1)
 
 
 def _ends_with(history: jax.Array, seqs: jax.Array) -> jax.Array:
@@ -108,7 +120,8 @@ def _ends_with(history: jax.Array, seqs: jax.Array) -> jax.Array:
 
 def generate_arrays(cfg: Qwen2Config, scfg: SamplingConfig, group_size: int, params: Params,
                     tokens: jax.Array, mask: jax.Array, stop_ids: jax.Array, stop_seqs: jax.Array,
-                    key: jax.Array, pad_id: int = 0, vocab_limit: int | None = None) -> Samples:
+                    key: jax.Array, pad_id: int = 0, vocab_limit: int | None = None,
+                    block: int = BLOCK) -> Samples:
     """Pure generation for left-padded prompts.
 
     tokens/mask [B, P]; stop_ids [B, S] and stop_seqs [B, M, W] (NO_TOKEN padded, stop_seqs
@@ -116,30 +129,41 @@ def generate_arrays(cfg: Qwen2Config, scfg: SamplingConfig, group_size: int, par
     one of stop_seqs. Ids >= vocab_limit (embedding rows the tokenizer does not use, e.g.
     Qwen2.5's 151936-row embedding over 151665 tokens) are never drawn. Returns `Samples` with
     N = scfg.max_new_tokens.
+
+    Decoding never writes a cache that the same step reads (XLA would copy it): the B*G rows
+    read the prompts' cache (one per prompt, shared by its G samples) and the cache of the
+    tokens generated before the current block of `block` steps, both read-only inside the
+    block; a block's own keys and values go to a small buffer that is appended to the
+    generated cache when the block ends. Layers are unrolled with per-layer weights and caches,
+    so no step slices a stacked buffer.
     """
     b, p = tokens.shape
     g, n = group_size, scfg.max_new_tokens
-    rows = b * g
+    rows, width = b * g, min(block, n)
     window = stop_seqs.shape[-1]
+    dcfg = cfg.replace(scan_layers=False)
+    layers = qwen2.unstack_layers(cfg, params)
 
     # Prefill once per prompt; only the last position's logits are needed.
     positions = qwen2.positions_from_mask(mask)
-    hidden, cache = qwen2.prefill(cfg, params, tokens, positions, mask, p + n)
+    hidden, k, v = qwen2.run_layers(cfg, params, tokens, positions, mask)
+    prompt = qwen2.KVCache(k=qwen2.per_layer(k, cfg), v=qwen2.per_layer(v, cfg),
+                           mask=mask.astype(bool), index=jnp.asarray(p, jnp.int32))
     logits = qwen2.unembed(cfg, params, hidden[:, -1])  # [B, V]
     limit = lambda x: x if vocab_limit is None else x.at[:, vocab_limit:].set(jnp.finfo(x.dtype).min)
 
-    # Share the prefill with the group: row r = prompt r // G, sample r % G.
-    repeat = lambda x, axis: jnp.repeat(x, g, axis=axis)
-    cache = qwen2.repeat_cache(cache, g)
-    logits, stop_ids, stop_seqs = repeat(logits, 0), repeat(stop_ids, 0), repeat(stop_seqs, 0)
-    next_pos = repeat(positions[:, -1] + 1, 0)
+    # Row r = prompt r // G, sample r % G.
+    repeat = lambda x: jnp.repeat(x, g, axis=0)
+    logits, stop_ids, stop_seqs = repeat(logits), repeat(stop_ids), repeat(stop_seqs)
+    next_pos = repeat(positions[:, -1] + 1)
+    cache_dtype = prompt.k[0].dtype
+    generated = qwen2.init_cache(dcfg, rows, -(-n // width) * width, cache_dtype)
 
-    def cond(state):
-        step, done = state[0], state[5]
+    def running(step, done):
         return (step < n) & ~jnp.all(done)
 
-    def body(state):
-        step, out, lp_s, lp_p, history, done, lengths, cache, logits, pos, key = state
+    def decode(state, generated):
+        step, out, lp_s, lp_p, history, done, lengths, blk, logits, pos, key = state
         key, sub = jax.random.split(key)
         tok, ls, lpol = choose_tokens(limit(logits), sub, scfg)
         live = ~done
@@ -150,16 +174,27 @@ def generate_arrays(cfg: Qwen2Config, scfg: SamplingConfig, group_size: int, par
         history = jnp.concatenate([history[:, 1:], tok[:, None]], axis=1)
         hit = live & (jnp.any(tok[:, None] == stop_ids, axis=-1) | _ends_with(history, stop_seqs))
         lengths = jnp.where(hit, step + 1, lengths)
-        hidden, cache = qwen2.hidden_states(cfg, params, tok[:, None], pos[:, None], live[:, None],
-                                            cache)
+        hidden, k, v = qwen2.run_layers(dcfg, layers, tok[:, None], pos[:, None], live[:, None],
+                                        (prompt, generated, blk))
+        blk = qwen2.append(blk, k, v, live[:, None])
         logits = qwen2.unembed(cfg, params, hidden[:, 0])
-        return step + 1, out, lp_s, lp_p, history, done | hit, lengths, cache, logits, pos + 1, key
+        return step + 1, out, lp_s, lp_p, history, done | hit, lengths, blk, logits, pos + 1, key
+
+    def decode_block(state):
+        generated, rest = state[0], state[1:]
+        inner = (*rest[:7], qwen2.init_cache(dcfg, rows, width, cache_dtype), *rest[7:])
+        inner = jax.lax.while_loop(lambda s: running(s[0], s[5]) & (s[7].index < width),
+                                   lambda s: decode(s, generated), inner)
+        blk = inner[7]
+        generated = qwen2.append(generated, blk.k, blk.v, blk.mask)
+        return (generated, *inner[:7], *inner[8:])
 
     zeros = jnp.zeros((rows, n), jnp.float32)
-    state = (jnp.zeros((), jnp.int32), jnp.full((rows, n), pad_id, jnp.int32), zeros, zeros,
-             jnp.full((rows, window), NO_TOKEN, jnp.int32), jnp.zeros((rows,), bool),
-             jnp.full((rows,), n, jnp.int32), cache, logits, next_pos, key)
-    _, out, lp_s, lp_p, _, done, lengths, _, _, _, _ = jax.lax.while_loop(cond, body, state)
+    state = (generated, jnp.zeros((), jnp.int32), jnp.full((rows, n), pad_id, jnp.int32), zeros,
+             zeros, jnp.full((rows, window), NO_TOKEN, jnp.int32), jnp.zeros((rows,), bool),
+             jnp.full((rows,), n, jnp.int32), logits, next_pos, key)
+    state = jax.lax.while_loop(lambda s: running(s[1], s[6]), decode_block, state)
+    _, _, out, lp_s, lp_p, _, done, lengths, _, _, _ = state
 
     shape = lambda x: x.reshape((b, g) + x.shape[1:])
     return Samples(tokens=shape(out), lengths=shape(lengths), logp_sample=shape(lp_s),

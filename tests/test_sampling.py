@@ -1,5 +1,6 @@
 """Sampler: HF greedy parity, sampling distribution, log-probs, shared prefill, buckets, errors."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -122,6 +123,20 @@ def test_sampling_frequencies_match_softmax():
     p = np.asarray(jax.nn.softmax(logits / temp))
     freq = np.bincount(out.tokens[0, :, 0], minlength=16) / n
     np.testing.assert_array_less(np.abs(freq - p), 5 * np.sqrt(p * (1 - p) / n) + 1e-3)
+
+
+def test_draw_inverts_the_cdf_and_never_picks_a_zero_mass_token():
+    probs = np.array([[0.0, 0.5, 0.0, 0.25, 0.25, 0.0],   # zero mass first, between and last
+                      [0.0, 0.0, 0.0, 0.0, 0.0, 1.0],     # only the last token
+                      [1.0, 0.0, 0.0, 0.0, 0.0, 0.0]])    # only the first
+    n = 8192
+    logp = jnp.log(jnp.asarray(np.repeat(probs, n, axis=0), jnp.float32))
+    tokens = np.asarray(sampling.draw(jax.random.key(3), logp)).reshape(3, n)
+    chex.assert_shape(tokens, (3, n))
+    for row, p in zip(tokens, probs):
+        freq = np.bincount(row, minlength=6) / n
+        assert (freq[p == 0] == 0).all()
+        np.testing.assert_array_less(np.abs(freq - p), 5 * np.sqrt(p * (1 - p) / n) + 1e-3)
 
 
 @pytest.mark.parametrize("top_k, top_p", [(3, 1.0), (0, 0.6), (5, 0.8)])

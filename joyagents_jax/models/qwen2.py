@@ -21,15 +21,16 @@ axis so tensor-parallel rules can split heads):
 projection then adds its low-rank path, without merging the adapter into the kernel.
 
 Batches are left padded: `mask [B, T]` marks real tokens and `positions [B, T]` are per-row RoPE
-positions (`positions_from_mask`). The optional KV cache is an explicit pytree argument; layers
-read it without copying and the new keys/values are written once per call after the layer scan
-(keys are stored slot-minor, [.., Hd, S], which made decode attention ~3x faster on CPU).
+positions (`positions_from_mask`). KV caches are explicit pytree arguments: `run_layers` reads
+any number of them read-only (a cache may hold one row per G query rows: the samples of one
+prompt share its keys) and returns the new tokens' keys and values, which `append` writes
+(values are stored slot-minor, [.., Hd, S], which made decode attention ~3x faster on CPU).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Sequence
 
 import flax.struct
 import jax
@@ -178,13 +179,6 @@ def init_cache(cfg: Qwen2Config, batch: int, length: int, dtype: Any = None) -> 
                    index=jnp.zeros((), jnp.int32))
 
 
-def repeat_cache(cache: KVCache, g: int) -> KVCache:
-    """Each batch row's cache repeated g times (row r -> rows r * g ... r * g + g - 1)."""
-    rep = lambda x: jnp.repeat(x, g, axis=x.ndim - 4)  # the batch axis of [(L,) B, K, ., .]
-    return KVCache(k=jax.tree.map(rep, cache.k), v=jax.tree.map(rep, cache.v),
-                   mask=jnp.repeat(cache.mask, g, axis=0), index=cache.index)
-
-
 # ----------------------------------------------------------------------------------------------
 # Building blocks.
 # ----------------------------------------------------------------------------------------------
@@ -223,24 +217,47 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 def attention(q: jax.Array, segments: list[tuple[jax.Array, jax.Array, jax.Array]]) -> jax.Array:
     """Grouped-query attention of q [B, T, N, Hd] over key/value segments -> [B, T, N, Hd].
 
-    Each segment is (k [B, K, S, Hd], v [B, K, Hd, S], allowed [B, T, S]), the cache's layout;
-    the softmax runs over all segments together. Decoding attends to the read-only cache and
-    the new tokens as two segments, so appending needs no concatenation of the cache.
+    Each segment is (k [Bs, K, S, Hd], v [Bs, K, Hd, S], allowed [Bs, T or 1, S]), the cache's
+    layout; the softmax runs over all segments together. Decoding attends to read-only caches
+    and the new tokens as separate segments, so appending needs no concatenation. Bs may divide
+    B: rows r * B / Bs ... (r + 1) * B / Bs - 1 then share segment row r (the G samples of one
+    prompt read its prompt's keys once); `allowed` is then [Bs, 1, S].
     """
     b, t, n, hd = q.shape
     kv_heads = segments[0][0].shape[1]
-    q = q.reshape(b, t, kv_heads, n // kv_heads, hd)
+    g = n // kv_heads
+    shares = [b // k.shape[0] for k, _, _ in segments]
     scores = []
-    for k, _, allowed in segments:
-        s = jnp.einsum("btkgh,bksh->bkgts", q, k, preferred_element_type=jnp.float32)
-        scores.append(jnp.where(allowed[:, None, None], s * (hd ** -0.5), jnp.finfo(jnp.float32).min))
-    probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
+    for (k, _, allowed), share in zip(segments, shares):
+        qs = q.reshape(k.shape[0], share * t, kv_heads, g, hd)
+        s = jnp.einsum("bqkgh,bksh->bkgqs", qs, k, preferred_element_type=jnp.float32)
+        s = jnp.where(allowed[:, None, None], s * (hd ** -0.5), jnp.finfo(jnp.float32).min)
+        scores.append(_unshare(s, share, t))
+    probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)  # [B, K, g, T, S total]
     out, start = 0, 0
-    for k, v, _ in segments:
-        p = probs[..., start:start + k.shape[-2]].astype(v.dtype)
-        out = out + jnp.einsum("bkgts,bkhs->btkgh", p, v)
+    for (k, v, _), share in zip(segments, shares):
+        p = _share(probs[..., start:start + k.shape[-2]], share, t).astype(v.dtype)
+        out = out + jnp.einsum("bkgqs,bkhs->bqkgh", p, v).reshape(b, t, kv_heads, g, hd)
         start += k.shape[-2]
     return out.reshape(b, t, n, hd)
+
+
+def _unshare(s: jax.Array, share: int, t: int) -> jax.Array:
+    """Scores [Bs, K, g, share * T, S] -> [Bs * share, K, g, T, S] (identity for share 1)."""
+    if share == 1:
+        return s
+    bs, kh, g, _, n = s.shape
+    return s.reshape(bs, kh, g, share, t, n).transpose(0, 3, 1, 2, 4, 5).reshape(
+        bs * share, kh, g, t, n)
+
+
+def _share(p: jax.Array, share: int, t: int) -> jax.Array:
+    """The inverse of `_unshare`: [Bs * share, K, g, T, S] -> [Bs, K, g, share * T, S]."""
+    if share == 1:
+        return p
+    b, kh, g, _, n = p.shape
+    return p.reshape(b // share, share, kh, g, t, n).transpose(0, 2, 3, 1, 4, 5).reshape(
+        b // share, kh, g, share * t, n)
 
 
 def _dense(x: jax.Array, p: Params, spec: str, dtype) -> jax.Array:
@@ -251,11 +268,12 @@ def _dense(x: jax.Array, p: Params, spec: str, dtype) -> jax.Array:
 
 
 def decoder_layer(cfg: Qwen2Config, p: Params, x: jax.Array, rope, allowed: jax.Array,
-                  past: tuple[jax.Array, jax.Array, jax.Array] | None = None):
+                  past: Sequence[tuple[jax.Array, jax.Array, jax.Array]] = ()):
     """One pre-norm block. x [B, T, D], allowed [B, T, T] among the new tokens.
 
-    past: this layer's cache (k [B, K, S, Hd], v [B, K, Hd, S], allowed [B, T, S]) or None.
-    Returns the new x and the new tokens' (k, v) in the cache layout for the caller to write.
+    past: this layer's read-only cache segments (k [Bs, K, S, Hd], v [Bs, K, Hd, S], allowed
+    [Bs, T or 1, S]), see `attention`. Returns the new x and the new tokens' (k, v) in the
+    cache layout for the caller to write.
     """
     dt = jnp.dtype(cfg.dtype)
     h = rms_norm(x, p["input_norm"]["scale"], cfg.rms_norm_eps)
@@ -264,9 +282,7 @@ def decoder_layer(cfg: Qwen2Config, p: Params, x: jax.Array, rope, allowed: jax.
     k = apply_rope(_dense(h, a["k"], "btd,dnh->btnh", dt), *rope)
     k = k.transpose(0, 2, 1, 3)  # [B, K, T, Hd]
     v = _dense(h, a["v"], "btd,dnh->btnh", dt).transpose(0, 2, 3, 1)  # [B, K, Hd, T]
-    segments = [(k, v, allowed)]
-    if past is not None:
-        segments.append((past[0].astype(dt), past[1].astype(dt), past[2]))
+    segments = [(k, v, allowed)] + [(pk.astype(dt), pv.astype(dt), m) for pk, pv, m in past]
     x = x + _dense(attention(q, segments), a["o"], "btnh,nhd->btd", dt)
     h = rms_norm(x, p["post_attn_norm"]["scale"], cfg.rms_norm_eps)
     m = p["mlp"]
@@ -289,10 +305,16 @@ def unembed(cfg: Qwen2Config, params: Params | lora.LoRAParams, hidden: jax.Arra
 # The model.
 # ----------------------------------------------------------------------------------------------
 
-def _layers(cfg: Qwen2Config, params: Params, tokens: jax.Array, positions: jax.Array,
-            mask: jax.Array, past: KVCache | None):
-    """Runs every layer; returns final-norm hidden [B, T, D] and the new tokens' k
-    [L, B, K, T, Hd] and v [L, B, K, Hd, T] (tuples over unrolled layers, as the cache)."""
+def run_layers(cfg: Qwen2Config, params: Params, tokens: jax.Array, positions: jax.Array,
+               mask: jax.Array, past: Sequence[KVCache] = ()):
+    """Runs every layer on new tokens [B, T] that attend to each other (causally) and to the
+    real slots of the read-only caches `past` (each of B or B / G rows, see `attention`).
+
+    Returns final-norm hidden [B, T, D] and the new tokens' k [L, B, K, T, Hd] and v
+    [L, B, K, Hd, T] (tuples over unrolled layers, as the cache), for the caller to `append`.
+    Unrolled layers also accept params whose "layers" is a tuple of per-layer trees
+    (`unstack_layers`), which a decode loop slices once instead of at every step.
+    """
     dt = jnp.dtype(cfg.dtype)
     params = lora.as_tree(params)
     mask = mask.astype(bool)
@@ -301,27 +323,43 @@ def _layers(cfg: Qwen2Config, params: Params, tokens: jax.Array, positions: jax.
     rope = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
     causal = jnp.tril(jnp.ones((t, t), bool))
     allowed = mask[:, None, :] & causal[None]  # [B, T, T]
-    # Every real cache slot precedes the new tokens, so the cache needs only its own mask.
-    past_allowed = None if past is None else jnp.broadcast_to(past.mask[:, None, :], (
-        mask.shape[0], t, past.length))
+    # Every real cache slot precedes the new tokens, so a cache needs only its own mask.
+    past_allowed = [c.mask[:, None, :] for c in past]
 
     def body(x, layer):
-        p, kv = layer
-        return decoder_layer(cfg, p, x, rope, allowed, None if kv is None else (*kv, past_allowed))
+        p, kvs = layer
+        segments = [(k, v, m) for (k, v), m in zip(kvs, past_allowed)]
+        return decoder_layer(cfg, p, x, rope, allowed, segments)
 
     if cfg.remat:
         body = jax.checkpoint(body, prevent_cse=False)
     if cfg.scan_layers:
-        past_kv = None if past is None else (past.k, past.v)
-        x, (k, v) = jax.lax.scan(body, x, (params["layers"], past_kv))
+        x, (k, v) = jax.lax.scan(body, x, (params["layers"], [(c.k, c.v) for c in past]))
     else:  # unrolled: faster for shallow models on CPU, same params layout
+        layers = params["layers"]
+        if not isinstance(layers, tuple):
+            layers = unstack_layers(cfg, params)["layers"]
         new = []
         for i in range(cfg.num_layers):
-            kv = None if past is None else (past.k[i], past.v[i])
-            x, kv = body(x, (jax.tree.map(lambda a: a[i], params["layers"]), kv))
+            x, kv = body(x, (layers[i], [(c.k[i], c.v[i]) for c in past]))
             new.append(kv)
         k, v = (tuple(t) for t in zip(*new))
     return rms_norm(x, params["final_norm"]["scale"], cfg.rms_norm_eps), k, v
+
+
+def unstack_layers(cfg: Qwen2Config, params: Params | lora.LoRAParams) -> Params:
+    """params (LoRA adapters folded in as their own leaves) with "layers" as a tuple of L
+    per-layer trees, for unrolled layers."""
+    tree = lora.as_tree(params)
+    if isinstance(tree["layers"], tuple):
+        return tree
+    return {**tree, "layers": tuple(jax.tree.map(lambda a: a[i], tree["layers"])
+                                    for i in range(cfg.num_layers))}
+
+
+def per_layer(x: Any, cfg: Qwen2Config) -> tuple:
+    """A stacked [L, ...] cache buffer as a tuple of L buffers (tuples pass through)."""
+    return x if isinstance(x, tuple) else tuple(x[i] for i in range(cfg.num_layers))
 
 
 def hidden_states(cfg: Qwen2Config, params: Params, tokens: jax.Array, positions: jax.Array,
@@ -331,15 +369,18 @@ def hidden_states(cfg: Qwen2Config, params: Params, tokens: jax.Array, positions
     Token t attends to real tokens s <= t and, with a cache, to every real cache slot; its
     keys and values are then written at slots [index, index + T).
     """
-    hidden, k, v = _layers(cfg, params, tokens, positions, mask, cache)
-    if cache is None:
-        return hidden, None
+    hidden, k, v = run_layers(cfg, params, tokens, positions, mask, () if cache is None else (cache,))
+    return hidden, None if cache is None else append(cache, k, v, mask)
+
+
+def append(cache: KVCache, k: Any, v: Any, mask: jax.Array) -> KVCache:
+    """cache with T new slots written at [index, index + T): k [(L,) B, K, T, Hd] and
+    v [(L,) B, K, Hd, T] in the cache's form (stacked or per layer), mask [B, T]."""
     i = cache.index
-    return hidden, KVCache(
-        k=jax.tree.map(lambda c, x: _write(c, x, c.ndim - 2, i), cache.k, k),
-        v=jax.tree.map(lambda c, x: _write(c, x, c.ndim - 1, i), cache.v, v),
-        mask=jax.lax.dynamic_update_slice(cache.mask, mask.astype(bool), (0, cache.index)),
-        index=cache.index + tokens.shape[1])
+    return KVCache(k=jax.tree.map(lambda c, x: _write(c, x, c.ndim - 2, i), cache.k, k),
+                   v=jax.tree.map(lambda c, x: _write(c, x, c.ndim - 1, i), cache.v, v),
+                   mask=jax.lax.dynamic_update_slice(cache.mask, mask.astype(bool), (0, i)),
+                   index=i + mask.shape[1])
 
 
 def _write(cache: jax.Array, new: jax.Array, axis: int, index: jax.Array) -> jax.Array:
@@ -347,20 +388,6 @@ def _write(cache: jax.Array, new: jax.Array, axis: int, index: jax.Array) -> jax
     start = [0] * cache.ndim
     start[axis] = index
     return jax.lax.dynamic_update_slice(cache, new.astype(cache.dtype), start)
-
-
-def prefill(cfg: Qwen2Config, params: Params, tokens: jax.Array, positions: jax.Array,
-            mask: jax.Array, length: int, dtype: Any = None) -> tuple[jax.Array, KVCache]:
-    """Like `hidden_states` into an empty cache of `length` slots, without attending to it."""
-    hidden, k, v = _layers(cfg, params, tokens, positions, mask, None)
-    extra = length - tokens.shape[1]
-    dtype = jnp.dtype(dtype or cfg.dtype)
-    pad = lambda x, axis: jnp.pad(x.astype(dtype), [(0, extra if a == x.ndim + axis else 0)
-                                                    for a in range(x.ndim)])
-    return hidden, KVCache(k=jax.tree.map(lambda x: pad(x, -2), k),
-                           v=jax.tree.map(lambda x: pad(x, -1), v),
-                           mask=jnp.pad(mask.astype(bool), ((0, 0), (0, extra))),
-                           index=jnp.asarray(tokens.shape[1], jnp.int32))
 
 
 def forward(cfg: Qwen2Config, params: Params, tokens: jax.Array, positions: jax.Array | None = None,

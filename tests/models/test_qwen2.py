@@ -79,8 +79,9 @@ def test_prefill_then_decode_equals_full_forward(remat, scan):
 
 
 @pytest.mark.parametrize("scan", [True, False])
-def test_cache_layout_and_repeat(scan):
-    """Stacked buffers for scanned layers, one per layer for unrolled ones; both repeat rows."""
+def test_cache_layout_and_append(scan):
+    """Stacked buffers for scanned layers, one per layer for unrolled ones; `append` writes new
+    slots at the index, in either form."""
     cfg = qwen2.Qwen2Config(vocab_size=50, hidden_size=32, intermediate_size=64, num_layers=3,
                             num_heads=4, num_kv_heads=2, scan_layers=scan)
     cache = qwen2.init_cache(cfg, batch=2, length=5)
@@ -90,15 +91,35 @@ def test_cache_layout_and_repeat(scan):
         assert isinstance(cache.k, tuple) and len(cache.k) == len(cache.v) == 3
         chex.assert_shape([*cache.k, *cache.v], [(2, 2, 5, 8)] * 3 + [(2, 2, 8, 5)] * 3)
     assert cache.length == 5
-    fill = lambda x: jax.random.normal(jax.random.key(x.size), x.shape)
-    cache = cache.replace(k=jax.tree.map(fill, cache.k), v=jax.tree.map(fill, cache.v),
-                          mask=jnp.array([[1, 1, 0, 0, 0], [0, 1, 1, 0, 0]], bool))
-    rep = qwen2.repeat_cache(cache, 3)
-    batch_axis = 1 if scan else 0
-    for a, b in zip(jax.tree.leaves((cache.k, cache.v)), jax.tree.leaves((rep.k, rep.v))):
-        np.testing.assert_array_equal(np.repeat(np.asarray(a), 3, axis=batch_axis), b)
-    np.testing.assert_array_equal(rep.mask, np.repeat(np.asarray(cache.mask), 3, axis=0))
-    assert rep.mask.shape == (6, 5)
+    new = lambda x, axis: jax.random.normal(jax.random.key(x.size), x.shape[:axis] + (2,)
+                                            + x.shape[axis + 1:])
+    k = jax.tree.map(lambda x: new(x, x.ndim - 2), cache.k)
+    v = jax.tree.map(lambda x: new(x, x.ndim - 1), cache.v)
+    out = qwen2.append(cache.replace(index=jnp.asarray(1, jnp.int32)), k, v,
+                       jnp.array([[True, False], [True, True]]))
+    assert int(out.index) == 3
+    np.testing.assert_array_equal(out.mask, [[0, 1, 0, 0, 0], [0, 1, 1, 0, 0]])
+    for c, x in zip(jax.tree.leaves(out.k), jax.tree.leaves(k)):
+        np.testing.assert_array_equal(np.asarray(c)[..., 1:3, :], x)
+        assert not np.asarray(c)[..., [0, 3, 4], :].any()
+    for c, x in zip(jax.tree.leaves(out.v), jax.tree.leaves(v)):
+        np.testing.assert_array_equal(np.asarray(c)[..., 1:3], x)
+
+
+def test_shared_segment_attention_equals_repeated_rows():
+    """A segment of B / G rows read by G query rows each equals that segment repeated G times."""
+    ks = jax.random.split(jax.random.key(0), 6)
+    b, g, t, n, kh, hd, s = 2, 3, 2, 4, 2, 8, 5
+    q = jax.random.normal(ks[0], (b * g, t, n, hd))
+    pk, pv = jax.random.normal(ks[1], (b, kh, s, hd)), jax.random.normal(ks[2], (b, kh, hd, s))
+    pmask = jnp.array([[0, 1, 1, 1, 1], [0, 0, 0, 1, 1]], bool)
+    own_k, own_v = jax.random.normal(ks[3], (b * g, kh, 2, hd)), jax.random.normal(ks[4], (b * g, kh, hd, 2))
+    own = (own_k, own_v, jnp.ones((b * g, t, 2), bool).at[::2, :, 1].set(False))
+    shared = qwen2.attention(q, [own, (pk, pv, pmask[:, None, :])])
+    rep = lambda x: jnp.repeat(x, g, axis=0)
+    repeated = qwen2.attention(q, [own, (rep(pk), rep(pv), rep(pmask)[:, None, :])])
+    chex.assert_shape(shared, (b * g, t, n, hd))
+    np.testing.assert_allclose(shared, repeated, atol=1e-6, rtol=0)
 
 
 def test_bf16_compute_close_to_f32():

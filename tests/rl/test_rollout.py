@@ -65,7 +65,6 @@ def gold_script(examples, wrong_every=0):
         ep = system.demonstration(sys_, ex.query, [n.output for n in ex.gold])
         for node in ep.nodes:
             spec = sys_.specs[node.agent]
-            from joyagents_jax.agents import protocol
             table[protocol.render_prompt(TOK, spec, node.query, node.turns)] = node.output
     counter = collections.Counter()
 
