@@ -30,6 +30,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.param_dtype = "float32"
     c.dtype = "float32"
     c.remat = False
+    c.attention_impl = "xla"  # training/prefill attention: "xla", or "cudnn" flash attention (GPU)
     c.mesh = ""  # e.g. "fsdp=-1" or "data=2,fsdp=4": state and batches sharded; "": one device
     c.max_len = 384  # longest training sequence (context + output); longer rollouts are dropped
     c.pad_to_max_len = True  # one GRPO-step shape: compiles once (a CPU compile costs ~30 steps)

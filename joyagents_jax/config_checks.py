@@ -22,6 +22,7 @@ from joyagents_jax import config as config_lib
 from joyagents_jax import sharding
 from joyagents_jax.agents import protocol
 
+ATTENTION_IMPLS = ("xla", "cudnn")
 DTYPES = ("float32", "bfloat16", "float16")
 MODES = ("nodewise", "trajectory", "full_tree")
 SELECTS = ("groups", "agents")
@@ -143,7 +144,8 @@ def _top_level(c) -> Iterator[str]:
     yield from _all(_number(c, "seed", low=0, integer=True),
                     _choice(c, "dataset", ("assistant_suite", "gsm8k")),
                     _choice(c, "param_dtype", DTYPES), _choice(c, "dtype", DTYPES),
-                    _flag(c, "remat"), _flag(c, "pad_to_max_len"), _flag(c, "restart"),
+                    _choice(c, "attention_impl", ATTENTION_IMPLS), _flag(c, "remat"),
+                    _flag(c, "pad_to_max_len"), _flag(c, "restart"),
                     _number(c, "max_len", low=2, integer=True),
                     _number(c, "max_skipped_steps", low=1, integer=True,
                             why="consecutive non-finite steps before the run stops"),

@@ -106,7 +106,7 @@ class Experiment:
 
     def _model(self, spec) -> qwen2.Qwen2Config:
         kw = dict(param_dtype=self.config.param_dtype, dtype=self.config.dtype,
-                  remat=self.config.remat)
+                  remat=self.config.remat, attention_impl=self.config.attention_impl)
         if spec.checkpoint:
             return hf_io.config_from_hf(spec.checkpoint, **kw)
         return presets.get_preset(spec.model, **kw)

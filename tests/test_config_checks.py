@@ -30,6 +30,9 @@ def test_the_default_and_real_checkpoint_configs_are_valid(tmp_path):
 
 @pytest.mark.parametrize("overrides, fragment", [
     ({"grpo__kl": "k9"}, "config.grpo.kl='k9': not one of k1, k2, k3"),
+    ({"attention_impl": "flash"}, "config.attention_impl='flash': not one of xla, cudnn"),
+    ({"grpo__min_groups": -1}, "config.grpo.min_groups=-1: must be >= 0 (0 turns dynamic sampling off)"),
+    ({"grpo__max_refills": -2}, "config.grpo.max_refills=-2: must be >= 0"),
     ({"lora__rank": -1}, "config.lora.rank=-1: must be >= 0 (0 = full fine-tuning)"),
     ({"lora__alpha": 0.0}, "config.lora.alpha=0.0: must be > 0"),
     ({"lora__targets": "qkv"}, "config.lora.targets='qkv': must be a regex matching the whole"),

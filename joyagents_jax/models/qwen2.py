@@ -30,6 +30,7 @@ prompt share its keys) and returns the new tokens' keys and values, which `appen
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, NamedTuple, Sequence
 
 import flax.struct
@@ -60,6 +61,9 @@ class Qwen2Config:
     dtype: str = "float32"  # compute dtype; norms, softmax and logits are always f32
     remat: bool = False
     scan_layers: bool = True  # lax.scan over layers (compile time flat in depth) or unrolled
+    # Attention among new tokens without a cache (training, prefill) goes through
+    # jax.nn.dot_product_attention: "xla" everywhere, "cudnn" (flash attention; bf16/f16, GPU).
+    attention_impl: str = "xla"
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -74,6 +78,9 @@ class Qwen2Config:
                              f"num_kv_heads {self.num_kv_heads} (grouped-query attention).")
         if self.head_dim % 2:
             raise ValueError(f"Qwen2Config: head_dim {self.head_dim} must be even for RoPE.")
+        if self.attention_impl not in ("xla", "cudnn"):
+            raise ValueError(f"Qwen2Config.attention_impl must be 'xla' or 'cudnn' (GPU), got "
+                             f"{self.attention_impl!r}.")
         for name in ("param_dtype", "dtype"):
             if getattr(self, name) not in ("float32", "bfloat16", "float16"):
                 raise ValueError(f"Qwen2Config.{name} must be float32, bfloat16 or float16, "
@@ -261,8 +268,18 @@ def _share(p: jax.Array, share: int, t: int) -> jax.Array:
 
 
 def _dense(x: jax.Array, p: Params, spec: str, dtype) -> jax.Array:
-    """x times the kernel (plus bias), plus the low-rank path when `p` carries a LoRA adapter."""
-    y = jnp.einsum(spec, x, p["kernel"].astype(dtype))
+    """x times the kernel (plus bias), plus the low-rank path when `p` carries a LoRA adapter.
+
+    `spec` names the axes ("btd,dnh->btnh"): x ends with the kernel's input axes and the
+    kernel's output axes follow them. The product runs as one 2D matmul over the flattened
+    axes; as an einsum over the multi-axis kernel, XLA's CPU backend transposed the whole
+    attention kernel inside every decode step.
+    """
+    w = p["kernel"]
+    n_in = sum(c in spec.split(",")[0] for c in spec.split(",")[1].split("->")[0])
+    lead = x.shape[:x.ndim - n_in]
+    y = jnp.matmul(x.reshape(*lead, -1), w.reshape(math.prod(w.shape[:n_in]), -1).astype(dtype))
+    y = y.reshape(*lead, *w.shape[n_in:])
     y = y + p["bias"].astype(dtype) if "bias" in p else y
     return y + lora.low_rank(x, p, spec, dtype) if "lora_a" in p else y
 
@@ -279,15 +296,20 @@ def decoder_layer(cfg: Qwen2Config, p: Params, x: jax.Array, rope, allowed: jax.
     h = rms_norm(x, p["input_norm"]["scale"], cfg.rms_norm_eps)
     a = p["attn"]
     q = apply_rope(_dense(h, a["q"], "btd,dnh->btnh", dt), *rope)
-    k = apply_rope(_dense(h, a["k"], "btd,dnh->btnh", dt), *rope)
-    k = k.transpose(0, 2, 1, 3)  # [B, K, T, Hd]
-    v = _dense(h, a["v"], "btd,dnh->btnh", dt).transpose(0, 2, 3, 1)  # [B, K, Hd, T]
-    segments = [(k, v, allowed)] + [(pk.astype(dt), pv.astype(dt), m) for pk, pv, m in past]
-    x = x + _dense(attention(q, segments), a["o"], "btnh,nhd->btd", dt)
+    k = apply_rope(_dense(h, a["k"], "btd,dnh->btnh", dt), *rope)  # [B, T, K, Hd]
+    v = _dense(h, a["v"], "btd,dnh->btnh", dt)
+    if past:
+        segments = [(k.transpose(0, 2, 1, 3), v.transpose(0, 2, 3, 1), allowed)]
+        out = attention(q, segments + [(pk.astype(dt), pv.astype(dt), m) for pk, pv, m in past])
+    else:
+        out = jax.nn.dot_product_attention(q, k, v, mask=allowed[:, None],
+                                           implementation=cfg.attention_impl)
+    x = x + _dense(out, a["o"], "btnh,nhd->btd", dt)
     h = rms_norm(x, p["post_attn_norm"]["scale"], cfg.rms_norm_eps)
     m = p["mlp"]
     gated = jax.nn.silu(_dense(h, m["gate"], "btd,df->btf", dt)) * _dense(h, m["up"], "btd,df->btf", dt)
-    return x + _dense(gated, m["down"], "btf,fd->btd", dt), (k, v)
+    return x + _dense(gated, m["down"], "btf,fd->btd", dt), (k.transpose(0, 2, 1, 3),
+                                                             v.transpose(0, 2, 3, 1))
 
 
 def unembed(cfg: Qwen2Config, params: Params | lora.LoRAParams, hidden: jax.Array) -> jax.Array:

@@ -138,6 +138,7 @@ def test_bf16_compute_close_to_f32():
     (dict(num_heads=4, num_kv_heads=3), "not divisible by num_kv_heads"),
     (dict(dtype="float64"), "must be float32, bfloat16"),
     (dict(num_layers=0), "num_layers must be >= 1"),
+    (dict(attention_impl="flash"), "attention_impl must be 'xla' or 'cudnn'"),
 ])
 def test_config_errors(bad, match):
     base = dict(vocab_size=10, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
