@@ -439,6 +439,8 @@ class Experiment:
                 "rollout/alternatives": c.alternatives, "rollout/tool_calls": c.tool_calls,
                 "rollout/memory_hits": c.memory_hits, "rollout/memory_hints": c.memory_hints,
                 "rollout/seconds": seconds,
+                "rollout/sample_seconds": c.seconds["sample"],
+                "rollout/memory_lookup_seconds": c.seconds["memory_lookup"],
                 "rollout/tokens_per_second": c.generated_tokens / max(seconds, 1e-9)}
 
     # -- evaluation --------------------------------------------------------------------------

@@ -235,7 +235,9 @@ class Rollout:
             if not pending:
                 break
             todo = []
+            lookup_start = time.perf_counter()
             found = self.memory.lookup([request for _, request in pending])
+            counters.seconds["memory_lookup"] += time.perf_counter() - lookup_start
             counters.memory_lookups += len(pending)
             for (trace, request), hit in zip(pending, found):
                 if isinstance(hit, Reuse):
