@@ -219,10 +219,12 @@ class Sampler:
 
     def __init__(self, cfg: Qwen2Config, *, pad_id: int, tokenizer=None,
                  max_cache_length: int | None = None, min_prompt_bucket: int = 16,
-                 min_batch_bucket: int = 1, mesh: jax.sharding.Mesh | None = None):
+                 min_batch_bucket: int = 1, mesh: jax.sharding.Mesh | None = None,
+                 decode_block: int = BLOCK):
         """tokenizer: needed for stop strings; its vocab_size also bounds the drawn ids.
         mesh: prompts are split over its data-parallel axes and the samples come back
-        replicated, so every process reads them all (params keep their own shardings)."""
+        replicated, so every process reads them all (params keep their own shardings).
+        decode_block: decode steps between appends to the generated cache (`generate_arrays`)."""
         self.cfg, self.pad_id, self.tokenizer = cfg, pad_id, tokenizer
         self.max_cache_length = max_cache_length or cfg.max_position_embeddings
         self.mesh, self.data_parallel = mesh, 1
@@ -241,7 +243,7 @@ class Sampler:
             self.compiles += 1
             self.prefill_shapes.append(tuple(tokens.shape[-2:]))
             return generate_arrays(cfg, scfg, group_size, params, tokens, mask, stop_ids,
-                                   stop_seqs, key, pad_id, vocab_limit)
+                                   stop_seqs, key, pad_id, vocab_limit, decode_block)
 
         out = {} if mesh is None else {"out_shardings": NamedSharding(mesh, P())}
         self._one = jax.jit(core, static_argnums=(0, 1), **out)

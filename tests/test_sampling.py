@@ -30,8 +30,8 @@ def test_greedy_matches_transformers_generate(name, tmp_path):
     n, pad = 12, 0
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, kw["vocab"], k).tolist() for k in (7, 3, 1, 5)]
-    ours = Sampler(cfg, pad_id=pad).generate(params, prompts, key=jax.random.key(0),
-                                             scfg=SamplingConfig(n, greedy=True))
+    ours = Sampler(cfg, pad_id=pad, decode_block=5).generate(  # blocks of 5, 5, 2 steps
+        params, prompts, key=jax.random.key(0), scfg=SamplingConfig(n, greedy=True))
 
     width = max(map(len, prompts))
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
@@ -45,8 +45,9 @@ def test_greedy_matches_transformers_generate(name, tmp_path):
 def test_logprobs_equal_a_separate_forward():
     cfg, params = _tiny()
     n, g = 10, 3
-    out = Sampler(cfg, pad_id=0).generate(params, PROMPTS, key=jax.random.key(1), group_size=g,
-                                          scfg=SamplingConfig(n), stop_ids=[3, 17])
+    out = Sampler(cfg, pad_id=0, decode_block=4).generate(  # blocks of 4, 4, 2 steps
+        params, PROMPTS, key=jax.random.key(1), group_size=g, scfg=SamplingConfig(n),
+        stop_ids=[3, 17])
     assert out.tokens.shape == (4, g, n) and out.lengths.shape == (4, g)
     for b, prompt in enumerate(PROMPTS):
         for s in range(g):
@@ -123,6 +124,17 @@ def test_sampling_frequencies_match_softmax():
     p = np.asarray(jax.nn.softmax(logits / temp))
     freq = np.bincount(out.tokens[0, :, 0], minlength=16) / n
     np.testing.assert_array_less(np.abs(freq - p), 5 * np.sqrt(p * (1 - p) / n) + 1e-3)
+
+
+@pytest.mark.parametrize("block", [1, 3, 16])
+def test_decode_block_size_changes_no_sample(block):
+    """Blocks only decide when the generated cache is appended to: same key, same samples."""
+    cfg, params = _tiny()
+    run = lambda b: Sampler(cfg, pad_id=0, decode_block=b).generate(
+        params, PROMPTS, key=jax.random.key(2), group_size=3, scfg=SamplingConfig(11))
+    ref, out = run(11), run(block)
+    np.testing.assert_array_equal(out.tokens, ref.tokens)
+    np.testing.assert_allclose(out.logp_policy, ref.logp_policy, atol=1e-5)
 
 
 def test_draw_inverts_the_cdf_and_never_picks_a_zero_mass_token():

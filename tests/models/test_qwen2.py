@@ -78,6 +78,23 @@ def test_prefill_then_decode_equals_full_forward(remat, scan):
     np.testing.assert_allclose(np.asarray(incremental)[mask], np.asarray(full)[mask], atol=1e-5, rtol=0)
 
 
+def test_unstacked_layers_give_the_same_hidden_states():
+    cfg = qwen2.Qwen2Config(vocab_size=50, hidden_size=32, intermediate_size=64, num_layers=3,
+                            num_heads=4, num_kv_heads=2)
+    params = qwen2.init_params(cfg, jax.random.key(0))
+    unstacked = qwen2.unstack_layers(cfg, params)
+    assert isinstance(unstacked["layers"], tuple) and len(unstacked["layers"]) == 3
+    np.testing.assert_array_equal(unstacked["layers"][2]["mlp"]["up"]["kernel"],
+                                  params["layers"]["mlp"]["up"]["kernel"][2])
+    tokens, mask = _left_padded(np.random.default_rng(0), 50, [6, 3], 6)
+    positions = qwen2.positions_from_mask(jnp.asarray(mask))
+    stacked = qwen2.run_layers(cfg, params, tokens, positions, mask)
+    unrolled = qwen2.run_layers(cfg.replace(scan_layers=False), unstacked, tokens, positions, mask)
+    np.testing.assert_allclose(unrolled[0], stacked[0], atol=1e-5, rtol=0)
+    for a, b in zip(qwen2.per_layer(stacked[1], cfg), unrolled[1]):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("scan", [True, False])
 def test_cache_layout_and_append(scan):
     """Stacked buffers for scanned layers, one per layer for unrolled ones; `append` writes new
