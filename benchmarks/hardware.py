@@ -1,7 +1,8 @@
 """This machine's own limits, measured with JAX: matmul peak (FLOP/s) and memory bandwidth (B/s).
 
 They are the denominators of every efficiency ratio in `benchmarks/` (no datasheet numbers).
-Run alone: `python benchmarks/hardware.py`.
+Run alone: `python benchmarks/hardware.py [MxKxN ...]` (the rate of matmuls of those shapes too,
+e.g. a decode step's, against the square peak).
 """
 
 from __future__ import annotations
@@ -27,11 +28,16 @@ def best_time(fn, *args, repeats: int = 5) -> float:
     return min(times)
 
 
+def matmul_rate(m: int, k: int, n: int, dtype=jnp.float32) -> float:
+    """FLOP/s of one [m, k] @ [k, n] matmul."""
+    a = jax.random.normal(jax.random.key(0), (m, k), dtype)
+    b = jax.random.normal(jax.random.key(1), (k, n), dtype)
+    return 2 * m * k * n / best_time(jax.jit(jnp.matmul), a, b)
+
+
 def matmul_peak(dtype=jnp.float32, n: int = 2048) -> float:
     """FLOP/s of a square [n, n] @ [n, n] matmul: the best this backend does on dense math."""
-    a = jax.random.normal(jax.random.key(0), (n, n), dtype)
-    b = jax.random.normal(jax.random.key(1), (n, n), dtype)
-    return 2 * n ** 3 / best_time(jax.jit(jnp.matmul), a, b)
+    return matmul_rate(n, n, n, dtype)
 
 
 def memory_bandwidth(mbytes: int = 512) -> float:
@@ -66,6 +72,11 @@ def record_results(path: str, records: list[dict]) -> None:
 
 if __name__ == "__main__":
     print(f"devices: {jax.devices()}")
-    print(f"matmul peak f32:  {matmul_peak(jnp.float32) / 1e9:8.1f} GFLOP/s")
+    peak = matmul_peak(jnp.float32)
+    print(f"matmul peak f32:  {peak / 1e9:8.1f} GFLOP/s")
     print(f"matmul peak bf16: {matmul_peak(jnp.bfloat16) / 1e9:8.1f} GFLOP/s")
     print(f"memory bandwidth: {memory_bandwidth() / 1e9:8.1f} GB/s")
+    for shape in sys.argv[1:]:
+        m, k, n = map(int, shape.split("x"))
+        rate = matmul_rate(m, k, n)
+        print(f"matmul {shape} f32: {rate / 1e9:8.1f} GFLOP/s ({100 * rate / peak:.0f}% of the peak)")
