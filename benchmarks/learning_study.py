@@ -48,6 +48,8 @@ VARIANTS = {
     "k1": ("JoyAgents-R1, K=1", {"grpo.topk": 1, "memory.enabled": True}),
     "k2": ("JoyAgents-R1, K=2", {"grpo.topk": 2, "memory.enabled": True}),
     "kall": ("JoyAgents-R1, K=all", {"grpo.topk": 0, "memory.enabled": True}),
+    "questions": ("the default, GRPO queries over distinct train questions",
+                  {"grpo.query_order": "questions"}),
 }
 MAIN = ("sft_only", "trajectory", "nodewise_all", "nodewise_topk", "joyagents")
 SPLITS = {"test": 200, "test_novel": 50}

@@ -30,6 +30,7 @@ KLS = ("k1", "k2", "k3")
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 ADVANTAGES = ("std", "no_std", "loo")
 MEMORY_GROUPS = ("keep", "drop")
+QUERY_ORDERS = ("traffic", "questions")
 GSM8K_SPLITS = ("train", "test", "train_socratic", "test_socratic")
 GROUP_KEYS = {"agents", "model", "checkpoint"}
 # The assistant suite's domains route to all of these (cooperation chains qa/efc with math/gfc).
@@ -252,6 +253,7 @@ def _grpo(c) -> Iterator[str]:
                     _number(c, "grpo.top_p", low=0, high=1, low_open=True),
                     _number(c, "grpo.top_k", low=0, integer=True, why="0 = no top-k cut"),
                     _flag(c, "grpo.tempered_loss"), _choice(c, "grpo.memory_groups", MEMORY_GROUPS),
+                    _choice(c, "grpo.query_order", QUERY_ORDERS),
                     _number(c, "grpo.w_format", low=0), _number(c, "grpo.w_efficiency", low=0),
                     _number(c, "grpo.min_groups", low=0, integer=True,
                             why="0 turns dynamic sampling off"),

@@ -94,6 +94,7 @@ class Experiment:
                              f"divisible by the mesh's data x fsdp size {self.min_rows}; use a "
                              f"multiple of it.")
         self.demos = self._demonstrations()
+        self.grpo_pool = self._grpo_pool()
         self._makers = {"sft": sft.make_sft_step,
                         "shared_sft": functools.partial(sft.make_sft_step, shared=True),
                         "grpo": functools.partial(grpo_step.make_grpo_step, self.parts.grpo_step)}
@@ -293,14 +294,25 @@ class Experiment:
         metrics["sft/skipped"] = float(m["skipped"])
         return run.next(train), metrics
 
+    def _grpo_pool(self) -> list[int]:
+        """The train records GRPO draws queries from (`grpo.query_order`): all of them, or the
+        first record of each distinct question."""
+        source = self.sources["train"]
+        if self.config.grpo.query_order == "traffic":
+            return list(range(len(source)))
+        first = {}
+        for i in range(len(source)):
+            first.setdefault(suite.decode(source[i]).question_id, i)
+        return sorted(first.values())
+
     def train_tasks(self, k: int) -> list[rollout.Task]:
-        """GRPO step k's queries: a seeded permutation of train per epoch, read in order."""
-        source, q = self.sources["train"], self.config.grpo.queries
+        """GRPO step k's queries: a seeded permutation of the pool per epoch, read in order."""
+        pool, q = self.grpo_pool, self.config.grpo.queries
         out = []
         for i in range(k * q, (k + 1) * q):
-            epoch, pos = divmod(i, len(source))
-            order = np.random.default_rng([self.config.seed, 7, epoch]).permutation(len(source))
-            out.append(task_of(suite.decode(source[int(order[pos])])))
+            epoch, pos = divmod(i, len(pool))
+            order = np.random.default_rng([self.config.seed, 7, epoch]).permutation(len(pool))
+            out.append(task_of(suite.decode(self.sources["train"][pool[int(order[pos])]])))
         return out
 
     def policy(self, train: ts.TrainState, key: jax.Array, greedy: bool = False
@@ -370,10 +382,10 @@ class Experiment:
 
     def refill_tasks(self, k: int, r: int) -> list[rollout.Task]:
         """Refill r of GRPO step k: `grpo.queries` distinct train queries, seeded by (k, r)."""
-        source = self.sources["train"]
+        pool = self.grpo_pool
         rng = np.random.default_rng([self.config.seed, 11, k, r])
-        picks = rng.choice(len(source), min(self.config.grpo.queries, len(source)), replace=False)
-        return [task_of(suite.decode(source[int(i)])) for i in picks]
+        picks = rng.choice(len(pool), min(self.config.grpo.queries, len(pool)), replace=False)
+        return [task_of(suite.decode(self.sources["train"][pool[int(i)]])) for i in picks]
 
     def _filter(self, samples: list[rollout.Sample]):
         """(fitting, finite, own, trained) samples, each a subset of the one before: see

@@ -13,6 +13,7 @@ import pytest
 
 from joyagents_jax import checkpoint, evaluate, export, metrics, train
 from joyagents_jax import config as config_lib
+from joyagents_jax.data import assistant_suite as suite
 
 pytestmark = pytest.mark.slow
 
@@ -396,3 +397,19 @@ def test_dynamic_sampling_refills_with_fresh_queries_and_keeps_the_first_rollout
         np.testing.assert_array_equal(a.output_ids, b.output_ids)
     assert {s.group for s in plain.samples}.isdisjoint(s.group for s in merged.samples[n:])
     assert merged.counters.generated_tokens > plain.counters.generated_tokens
+
+
+def test_question_order_visits_every_distinct_train_question_once_per_epoch(data_dir, tmp_path):
+    """grpo.query_order=questions: one epoch of GRPO queries is each distinct train question
+    once (traffic order: every train record, popular questions as often as recorded)."""
+    traffic = evaluate.experiment.Experiment(_config(data_dir=data_dir), str(tmp_path / "t"))
+    exp = evaluate.experiment.Experiment(
+        _config(data_dir=data_dir, **{"grpo.query_order": "questions"}), str(tmp_path / "q"))
+    source = exp.sources["train"]
+    assert traffic.grpo_pool == list(range(len(source)))
+    distinct = {suite.decode(source[i]).query for i in range(len(source))}
+    n, q = len(exp.grpo_pool), exp.config.grpo.queries
+    assert n == len(distinct) < len(source)
+    epoch = [t.query for k in range(-(-n // q)) for t in exp.train_tasks(k)][:n]
+    assert sorted(epoch) == sorted(distinct)
+    assert all(t.query in epoch for t in exp.refill_tasks(0, 1))
