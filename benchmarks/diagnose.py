@@ -10,7 +10,8 @@ On a held-out split (`--split`, default test), without the memory:
   (a node that does not parse); `other path` when it fails after a different but valid route;
 - `--samples` G episodes per query at the rollout temperature: the mean sampled accuracy and
   pass@G, the share of queries at least one of G samples answers: the headroom GRPO can find.
-Per domain as well. Writes `<workdir>/diagnosis_<step>_T<temperature>_G<samples>.json` and prints a
+Per domain as well, and per how often the query's question occurs in `train` (SFT's
+demonstrations and GRPO's traffic): what SFT learned is what it saw often. Writes `<workdir>/diagnosis_<step>_T<temperature>_G<samples>.json` and prints a
 Markdown table.
 """
 
@@ -60,6 +61,28 @@ def first_error(nodes, gold: tuple[suite.GoldNode, ...]) -> str:
     return "stopped early" if len(nodes) < len(gold) else "other path"
 
 
+FREQUENCY_BINS = ((0, 0), (1, 2), (3, 5), (6, 15), (16, None))  # occurrences in train
+
+
+def train_counts(exp) -> collections.Counter:
+    """How often each question_id occurs in the train split."""
+    train = exp.sources["train"]
+    return collections.Counter(suite.decode(train[i]).question_id for i in range(len(train)))
+
+
+def by_frequency(exs, counts, correct: np.ndarray, sampled: np.ndarray) -> dict:
+    """Greedy accuracy and pass@G of the queries whose question occurs lo..hi times in train."""
+    rows = {}
+    for lo, hi in FREQUENCY_BINS:
+        idx = [i for i, e in enumerate(exs)
+               if lo <= counts[e.question_id] and (hi is None or counts[e.question_id] <= hi)]
+        name = f"{lo}+" if hi is None else f"{lo}-{hi}"
+        rows[name] = {"queries": len(idx),
+                      "greedy_acc": float(correct[idx].mean()) if idx else None,
+                      "pass": float(sampled[:, idx].max(0).mean()) if idx else None}
+    return rows
+
+
 def diagnose(workdir: str, step: int | None, split: str, samples: int, examples: int,
              temperature: float | None = None) -> dict:
     exp, run = evaluate.load_run(workdir, step)
@@ -89,7 +112,8 @@ def diagnose(workdir: str, step: int | None, split: str, samples: int, examples:
                         "gold_llm_calls": float(np.mean([exs[i].min_llm_calls for i in idx])),
                         "errors": dict(counts.most_common())}
     return {"workdir": workdir, "step": int(run.step), "split": split, "samples": samples,
-            "temperature": exp.parts.sampling.temperature, "domains": rows}
+            "temperature": exp.parts.sampling.temperature, "domains": rows,
+            "train_frequency": by_frequency(exs, train_counts(exp), correct, sampled)}
 
 
 def table(result: dict) -> str:
@@ -103,6 +127,11 @@ def table(result: dict) -> str:
                  f"{r[f'pass@{g}']:.3f}", f"{r['llm_calls']:.2f} ({r['gold_llm_calls']:.2f})",
                  *[str(r["errors"].get(k, 0)) for k in kinds]]
         lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", f"| occurrences of the question in train | queries | greedy acc | pass@{g} |",
+              "|---|---|---|---|"]
+    fmt = lambda x: "-" if x is None else f"{x:.3f}"
+    for name, r in result["train_frequency"].items():
+        lines.append(f"| {name} | {r['queries']} | {fmt(r['greedy_acc'])} | {fmt(r['pass'])} |")
     return "\n".join(lines)
 
 
