@@ -48,6 +48,7 @@ VARIANTS = {
     "k1": ("JoyAgents-R1, K=1", {"grpo.topk": 1, "memory.enabled": True}),
     "k2": ("JoyAgents-R1, K=2", {"grpo.topk": 2, "memory.enabled": True}),
     "kall": ("JoyAgents-R1, K=all", {"grpo.topk": 0, "memory.enabled": True}),
+    "g8_kall": ("JoyAgents-R1, G=8, K=all", {"grpo.group_size": 8, "grpo.topk": 0}),
     "questions": ("the default, GRPO queries over distinct train questions",
                   {"grpo.query_order": "questions"}),
 }

@@ -33,14 +33,16 @@ PRESETS: dict[str, Qwen2Config] = {
     "tiny": Qwen2Config(vocab_size=264, hidden_size=64, intermediate_size=192, num_layers=2,
                         num_heads=2, num_kv_heads=1, rope_theta=1e4, max_position_embeddings=1024,
                         scan_layers=False),
-    # ~30M parameters: the sampler benchmark's mid size (byte vocabulary).
+    # ~30M parameters: the sampler benchmark's mid size (byte vocabulary). Unrolled layers: on
+    # CPU the scanned backward copies every layer's saved activations out of the stacked
+    # buffers, and the train step runs ~16% slower (benchmarks/RESULTS.md, "GRPO train step").
     "small-30m": Qwen2Config(vocab_size=264, hidden_size=512, intermediate_size=1536,
                              num_layers=9, num_heads=8, num_kv_heads=2, rope_theta=1e4,
-                             max_position_embeddings=4096),
+                             max_position_embeddings=4096, scan_layers=False),
     # ~120M parameters: the benchmarks' large CPU size (byte vocabulary, Qwen2.5's 6:1 GQA).
     "base-120m": Qwen2Config(vocab_size=264, hidden_size=768, intermediate_size=3072,
                              num_layers=14, num_heads=12, num_kv_heads=2, rope_theta=1e4,
-                             max_position_embeddings=4096),
+                             max_position_embeddings=4096, scan_layers=False),
 }
 
 
