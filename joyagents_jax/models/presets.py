@@ -35,7 +35,7 @@ PRESETS: dict[str, Qwen2Config] = {
                         scan_layers=False),
     # ~30M parameters: the sampler benchmark's mid size (byte vocabulary). Unrolled layers: on
     # CPU the scanned backward copies every layer's saved activations out of the stacked
-    # buffers, and the train step runs ~16% slower (benchmarks/RESULTS.md, "GRPO train step").
+    # buffers, and the train step runs ~10% slower (benchmarks/RESULTS.md, "GRPO train step").
     "small-30m": Qwen2Config(vocab_size=264, hidden_size=512, intermediate_size=1536,
                              num_layers=9, num_heads=8, num_kv_heads=2, rope_theta=1e4,
                              max_position_embeddings=4096, scan_layers=False),
