@@ -308,7 +308,10 @@ def report() -> dict:
 def test_sharded_forward_and_adamw_step_match_unsharded(report, name):
     logits, params, opt_state = report[name]["diffs"]
     assert logits < 1e-5
-    assert params < 1e-5
+    # Adam moves a weight by lr * g / (|g| + eps): rounding delta in a near-zero gradient moves
+    # it by lr * delta / eps = 100 delta (1.06e-5 of the largest weight measured on an AMD EPYC,
+    # under 1e-5 on Intel). A wrongly sharded step is off by O(lr) = 1e-2.
+    assert params < 1e-4
     assert opt_state < 1e-4
 
 
