@@ -61,27 +61,36 @@ def init_tables(cfg: mem.MemoryConfig, models: Mapping[str, GroupModel]
 # ----------------------------------------------------------------------------------------------
 
 class MemoryView:
-    """The rollout's read-only `Memory` over a run's tables."""
+    """The rollout's read-only `Memory` over a run's tables.
+
+    Tables and embedder are fixed for the view's life (one rollout with its refills, or one
+    evaluation), so a prompt's best match is too: each wave searches only the prompts no
+    earlier wave of this view asked about, each once (the G branches of a node group mostly
+    ask the same), with one device call and one host transfer per agent and chunk.
+    """
 
     def __init__(self, ctx: Context, tables: Mapping[str, mem.MemoryTable],
                  models: Mapping[str, GroupModel]):
         self.ctx, self.tables, self.models = ctx, tables, models
+        self._entries = {g: distributed.to_host(t.valid.sum(-1)) for g, t in tables.items()}
+        self._found: dict[tuple[str, int, tuple[int, ...]], tuple[float, int, Any] | None] = {}
 
     def lookup(self, requests: Sequence[Request]) -> list[rollout.Reuse | protocol.Hint | None]:
-        out: list[rollout.Reuse | protocol.Hint | None] = [None] * len(requests)
-        by_agent = collections.defaultdict(list)
-        for i, request in enumerate(requests):
-            by_agent[self.ctx.slots[request.agent]].append(i)
-        entries = {g: distributed.to_host(t.valid.sum(-1)) for g, t in self.tables.items()}
-        for (group, agent), idx in by_agent.items():
-            if not entries[group][agent]:
+        asked = [(*self.ctx.slots[r.agent], _prompt_ids(self.ctx, r)) for r in requests]
+        new = collections.defaultdict(list)
+        for group, agent, prompt in dict.fromkeys(asked):
+            if (group, agent, prompt) in self._found:
                 continue
-            queries = _embed(self.ctx, self.models[group], agent,
-                             [_prompt_ids(self.ctx, requests[i]) for i in idx])
-            sim, slot, rows = distributed.to_host(_lookup_agent(self.tables[group], agent, queries))
-            for k, i in enumerate(idx):
-                out[i] = self._decide(float(sim[k]), int(slot[k]), _pick(rows, k))
-        return out
+            if self._entries[group][agent]:
+                new[group, agent].append(prompt)
+            else:
+                self._found[group, agent, prompt] = None
+        for (group, agent), prompts in new.items():
+            sim, slot, rows = _search(self.ctx, self.models[group], self.tables[group], agent,
+                                      prompts)
+            for k, prompt in enumerate(prompts):
+                self._found[group, agent, prompt] = (float(sim[k]), int(slot[k]), _pick(rows, k))
+        return [None if self._found[a] is None else self._decide(*self._found[a]) for a in asked]
 
     def _decide(self, sim: float, slot: int, row: mem.MemoryTable
                 ) -> rollout.Reuse | protocol.Hint | None:
@@ -105,12 +114,20 @@ def _embed_agent(model_cfg, params, agent, tokens, mask):
     return mem.embed(model_cfg, lora.pick(params, agent), tokens, mask)
 
 
-@jax.jit
-def _lookup_agent(tables: mem.MemoryTable, agent, queries):
-    """Best (similarity, slot) per query [B, d] in one agent's table, with that slot's row."""
+@functools.partial(jax.jit, static_argnums=0)
+def _search_agent(model_cfg, params, tables: mem.MemoryTable, agent, tokens, mask):
+    """Prompts [B, T] -> best (similarity [B], slot [B]) in one agent's table, with the rows at
+    those slots (keys left out): embedding and search in one device call."""
     table = _pick(tables, agent)
-    sim, slot = mem.lookup(table, queries)
+    sim, slot = mem.lookup(table, mem.embed(model_cfg, lora.pick(params, agent), tokens, mask))
     return sim, slot, _pick(table.replace(key=None), slot)
+
+
+def _search(ctx: Context, model: GroupModel, tables: mem.MemoryTable, agent: int,
+            prompts: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray, mem.MemoryTable]:
+    """Token rows -> (similarity, slot, row) per row, on the host."""
+    return _chunked(ctx, prompts, functools.partial(
+        _search_agent, model.model, model.ref_params, tables, agent))
 
 
 def _prompt_ids(ctx: Context, request) -> tuple[int, ...]:
@@ -123,13 +140,19 @@ def _prompt_ids(ctx: Context, request) -> tuple[int, ...]:
 def _embed(ctx: Context, model: GroupModel, agent: int, rows: Sequence[Sequence[int]]
            ) -> np.ndarray:
     """Token rows -> unit keys [len(rows), d] with the agent's reference policy."""
+    return _chunked(ctx, rows, functools.partial(
+        _embed_agent, model.model, model.ref_params, agent))
+
+
+def _chunked(ctx: Context, rows: Sequence[Sequence[int]], fn) -> Any:
+    """fn(tokens, mask) over token rows in left-padded chunks of `embed_batch`, one device call
+    and one host transfer each -> its outputs for the rows, concatenated [len(rows), ...]."""
     size, out = ctx.cfg.embed_batch, []
     for start in range(0, len(rows), size):
         chunk = rows[start:start + size]
-        tokens, mask = _left_pad(chunk, ctx.tokenizer.pad_id)
-        keys = _embed_agent(model.model, model.ref_params, agent, tokens, mask)
-        out.append(distributed.to_host(keys)[:len(chunk)])
-    return np.concatenate(out)
+        found = distributed.to_host(fn(*_left_pad(chunk, ctx.tokenizer.pad_id)))
+        out.append(jax.tree.map(lambda x: x[:len(chunk)], found))
+    return jax.tree.map(lambda *xs: np.concatenate(xs), *out)
 
 
 def _bucket(n: int) -> int:

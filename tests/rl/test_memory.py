@@ -292,7 +292,7 @@ def test_tables_follow_the_run_config():
 # End to end: a rewarded query is answered from memory the second time.
 # ----------------------------------------------------------------------------------------------
 
-def test_repeated_rewarded_query_is_answered_from_memory():
+def test_repeated_rewarded_query_is_answered_from_memory(monkeypatch):
     world = suite.suite_world(suite.TINY)
     sys_ = system.make_system(world)
     exs = {}
@@ -343,8 +343,12 @@ def test_repeated_rewarded_query_is_answered_from_memory():
     assert int(sum(t.hits.sum() for t in tables.values())) == second.counters.memory_hits
 
     # A match that may not be reused verbatim (stored reward below the bar) becomes a hint.
+    searched, search = [], memory_hook._search
+    monkeypatch.setattr(memory_hook, "_search", lambda *a: searched.append(len(a[-1])) or search(*a))
     hinting = memory_hook.MemoryView(ctx._replace(cfg=dataclasses.replace(cfg, reuse_min_reward=2.0)),
                                      tables, models)
     request = system.Episode(sys_, good.query).pending()
     (hint,) = hinting.lookup([request])
     assert hint == protocol.Hint(good.query[:32], first.episodes[0].episode.nodes[0].output)
+    # A view searches a prompt once: repeats, in one wave or a later one, reuse that answer.
+    assert hinting.lookup([request, request]) == [hint, hint] and searched == [1]
