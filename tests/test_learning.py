@@ -1,5 +1,5 @@
 """GRPO on the real agent system learns: repeated steps on a fixed set of training queries raise
-the reward the greedy policies earn on them (fixed seed; no wall-clock threshold)."""
+the reward the policies earn on them (fixed seed; no wall-clock threshold)."""
 
 import jax
 import numpy as np
@@ -13,7 +13,13 @@ pytestmark = pytest.mark.slow
 
 # A short shared SFT (the policies emit the protocol but rarely a right answer), then
 # full-temperature GRPO on 8 fixed queries, every node group kept, no memory.
-SFT_STEPS, GRPO_STEPS = 150, 8
+# The measure is what GRPO maximizes: the mean reward of SAMPLES per query at the rollout
+# temperature (128 episodes). The greedy reward is too coarse to carry the assertion: without a
+# right answer it tops out at the format reward 0.1 per query, and SFT alone reaches 0.04-0.075
+# (seeds 0-2). Measured with this file's settings, sampled reward after SFT -> after 12 GRPO steps:
+# seed 0 0.014 -> 0.066, seed 1 0.019 -> 0.050, seed 2 0.006 -> 0.061 (this test, seed 0: greedy
+# 0.040 -> 0.100).
+SFT_STEPS, GRPO_STEPS, SAMPLES = 150, 12, 16
 OVERRIDES = {"suite": "tiny", "sft.steps": SFT_STEPS, "sft.shared_steps": SFT_STEPS,
              "sft.batch_per_agent": 4, "sft.warmup_steps": 10, "grpo.steps": GRPO_STEPS,
              "grpo.queries": 8, "grpo.group_size": 4, "grpo.topk": 0, "grpo.learning_rate": 1e-3,
@@ -33,11 +39,18 @@ def _config(data_dir):
     return c
 
 
-def _greedy_reward(exp, run, tasks) -> float:
+def _mean_reward(exp, run, tasks, greedy: bool) -> float:
+    """The mean episode reward R on `tasks` (each SAMPLES times unless greedy), no memory."""
     engine = rollout.Rollout(exp.system, exp.tokenizer,
-                             exp.policy(run.train, jax.random.key(1), greedy=True),
+                             exp.policy(run.train, jax.random.key(2), greedy=greedy),
                              exp.parts.rollout, None)
+    tasks = list(tasks) * (1 if greedy else SAMPLES)
     return float(np.mean([r.total for r in engine.episodes(tasks).rewards]))
+
+
+def _rewards(exp, run, tasks) -> tuple[float, float]:
+    """(sampled, greedy) mean rewards."""
+    return _mean_reward(exp, run, tasks, False), _mean_reward(exp, run, tasks, True)
 
 
 def test_grpo_raises_the_reward_of_fixed_training_queries(tmp_path):
@@ -46,7 +59,7 @@ def test_grpo_raises_the_reward_of_fixed_training_queries(tmp_path):
     for _ in range(SFT_STEPS):
         run, _ = exp.sft_iteration(run)
     fixed = exp.train_tasks(0)
-    before = _greedy_reward(exp, run, fixed)
+    before = _rewards(exp, run, fixed)
 
     run = exp.start_grpo(run)
     exp.train_tasks = lambda k: fixed  # every GRPO step sees the same queries
@@ -54,7 +67,8 @@ def test_grpo_raises_the_reward_of_fixed_training_queries(tmp_path):
     for _ in range(GRPO_STEPS):
         run, m = exp.grpo_iteration(run)
         trained.append(m["grpo/trained_samples"])
-    after = _greedy_reward(exp, run, fixed)
+    after = _rewards(exp, run, fixed)
 
     assert all(n > 0 for n in trained)  # every step had node groups with a reward spread
-    assert after > before + 0.03, (before, after)
+    assert after[0] > before[0] + 0.02, (before, after)  # sampled: at least 2x on seeds 0-2
+    assert after[1] >= before[1], (before, after)  # greedy does not fall
