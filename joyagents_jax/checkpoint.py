@@ -161,6 +161,19 @@ def _to_json(metadata: Mapping[str, Any]) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------------
 
 
+def _cleaned(manager: ocp.CheckpointManager) -> ocp.CheckpointManager:
+    """`manager` once its removal of unfinished `*.orbax-checkpoint-tmp*` steps is done.
+
+    Newer orbax removes them in a background thread that neither `wait_until_finished` nor
+    `close` joins, so a directory read right after `close` could still list them; older orbax
+    removes them in the constructor and has no such thread.
+    """
+    await_cleanup = getattr(manager, "_maybe_await_cleanup_tmp_directory", None)
+    if await_cleanup is not None:
+        await_cleanup()
+    return manager
+
+
 class Checkpointer:
     """Saves and restores steps of a run in `directory`; every process calls every method.
 
@@ -196,7 +209,7 @@ class Checkpointer:
     def _open(self) -> ocp.CheckpointManager:
         """The manager; steps whose metadata can't be read are set aside with a warning."""
         try:
-            return ocp.CheckpointManager(self.directory, options=self._options())
+            return _cleaned(ocp.CheckpointManager(self.directory, options=self._options()))
         except Exception as e:  # noqa: BLE001 - some step's metadata files are unreadable
             logging.warning("Checkpoints in %s: unreadable step metadata (%s); checking each step.",
                             self.directory, e)
@@ -208,7 +221,7 @@ class Checkpointer:
             except Exception as e:  # noqa: BLE001
                 self._set_aside(step, e)
         manager.reload()
-        return manager
+        return _cleaned(manager)
 
     def _set_aside(self, step: int, error: Exception) -> None:
         """Renames an unreadable step to `<step>.corrupt-<time>`: hidden, but not deleted."""
