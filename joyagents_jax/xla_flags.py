@@ -1,14 +1,14 @@
-"""XLA CPU flags that make a run's numbers the same on every x86-64 CPU with AVX2.
+"""XLA CPU flags that narrow how much a run's numbers depend on the x86-64 CPU that runs it.
 
 Measured on this project's machines (benchmarks/RESULTS.md, "Reproducibility"): XLA's CPU
 backend sends matmuls to YNNPACK fusions, which pick their kernels by the CPU's features at run
 time, and compiles the rest for the host's widest vector ISA; both change the last bits of
 float results, and hundreds of training steps amplify those bits into different accuracies.
-Without YNNPACK and with the ISA capped at AVX2, the computation no longer depends on which
-x86-64 CPU runs it, at no measured cost in speed on the default. Set
+These flags turn YNNPACK off and cap the ISA at AVX2, at no measured cost in speed on the
+default. They do not make a seed CPU-independent: an AVX-512 Intel host and an AVX2-only AMD
+host still part during SFT (which kernel still differs is open). Set
 `JOYAGENTS_PORTABLE_CPU_NUMERICS=0` to keep XLA's defaults. Imports nothing from JAX: call
-`pin_cpu_numerics()` before JAX starts its backend.
-"""
+`pin_cpu_numerics()` before JAX starts its backend."""
 
 from __future__ import annotations
 
