@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import platform
 import sys
 import time
 
@@ -47,14 +48,22 @@ def memory_bandwidth(mbytes: int = 512) -> float:
 
 
 def device_name() -> str:
-    """The first device in words, e.g. 'cpu' or 'NVIDIA H100 80GB HBM3'."""
+    """The first device in words, e.g. 'NVIDIA H100 80GB HBM3' or, on the CPU, its model and core
+    count ('cpu: AMD EPYC, 2 cores'): CPU ratios differ between hosts, so each keeps its record."""
     d = jax.devices()[0]
-    return getattr(d, "device_kind", d.platform)
+    if d.platform != "cpu":
+        return getattr(d, "device_kind", d.platform)
+    model = platform.processor() or "unknown model"
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        model = names[0] if names else model
+    return f"cpu: {model}, {os.cpu_count()} cores"
 
 
 def record_results(path: str, records: list[dict]) -> None:
     """Merges `records` into the JSON list at `path`: a record replaces the one of the same
-    model and device (so runs of separate sizes accumulate). Each gets the command and date."""
+    model and device (so runs of separate sizes, and of other hosts, accumulate). Each gets the command and date."""
     stamp = {"device": device_name(), "command": " ".join(["python"] + sys.argv),
              "date": datetime.date.today().isoformat()}
     records = [{**r, **stamp} for r in records]
