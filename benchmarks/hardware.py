@@ -63,7 +63,8 @@ def device_name() -> str:
 
 def record_results(path: str, records: list[dict]) -> None:
     """Merges `records` into the JSON list at `path`: a record replaces the one of the same
-    model and device (so runs of separate sizes, and of other hosts, accumulate). Each gets the command and date."""
+    model and device (so runs of separate sizes, and of other hosts, accumulate). Each gets the
+    command and date."""
     stamp = {"device": device_name(), "command": " ".join(["python"] + sys.argv),
              "date": datetime.date.today().isoformat()}
     records = [{**r, **stamp} for r in records]
