@@ -51,6 +51,8 @@ VARIANTS = {
     "g8_kall": ("JoyAgents-R1, G=8, K=all", {"grpo.group_size": 8, "grpo.topk": 0}),
     "questions": ("the default, GRPO queries over distinct train questions",
                   {"grpo.query_order": "questions"}),
+    "grounding": ("the default with R_G (w_grounding=0.2): grounded copies rewarded",
+                  {"grpo.w_grounding": 0.2}),
 }
 MAIN = ("sft_only", "trajectory", "nodewise_all", "nodewise_topk", "joyagents")
 SPLITS = {"test": 200, "test_novel": 50}

@@ -255,6 +255,7 @@ def _grpo(c) -> Iterator[str]:
                     _flag(c, "grpo.tempered_loss"), _choice(c, "grpo.memory_groups", MEMORY_GROUPS),
                     _choice(c, "grpo.query_order", QUERY_ORDERS),
                     _number(c, "grpo.w_format", low=0), _number(c, "grpo.w_efficiency", low=0),
+                    _number(c, "grpo.w_grounding", low=0, why="0 leaves R_G out"),
                     _number(c, "grpo.min_groups", low=0, integer=True,
                             why="0 turns dynamic sampling off"),
                     _number(c, "grpo.max_refills", low=0, integer=True))

@@ -482,7 +482,7 @@ def summarize(exs: Sequence[suite.Example], result: rollout.RolloutResult, secon
     n = len(exs)
     out = {f"{prefix}/accuracy/{d}": float(np.mean(v)) for d, v in sorted(by_domain.items())}
     out[f"{prefix}/accuracy"] = float(np.mean([float(p.r_answer) for p in result.rewards]))
-    for part in ("r_answer", "r_format", "r_efficiency", "total"):
+    for part in ("r_answer", "r_format", "r_efficiency", "r_grounding", "total"):
         out[f"{prefix}/{part}"] = float(np.mean([float(getattr(p, part)) for p in result.rewards]))
     calls = [t.episode.llm_calls for t in result.episodes]
     out[f"{prefix}/llm_calls_per_query"] = float(np.mean(calls))

@@ -14,6 +14,7 @@ token limits end the episode with whatever reward it earned.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -70,6 +71,21 @@ class Node:
     @property
     def wellformed(self) -> bool:
         return not isinstance(self.action, ParseError) and not self.truncated
+
+    def grounding(self) -> float | None:
+        """The share of the words this node copies (tool argument values; an answer, or the
+        values of an answer that is a JSON object) that occur in its query and turns. None for
+        other nodes: a master's sub-query is a paraphrase, and malformed output copies nothing.
+        """
+        if isinstance(self.action, ToolCall):
+            copied = _json_values(self.action.args)
+        elif isinstance(self.action, Answer):
+            value = _json_object(self.action.text)
+            copied = self.action.text if value is None else _json_values(value)
+        else:
+            return None
+        context = " ".join([self.query, *(text for turn in self.turns for text in turn)])
+        return rewards.grounded_share(copied, context)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,12 +189,39 @@ class Episode:
     def llm_calls(self) -> int:
         return sum(not n.from_memory for n in self.nodes)
 
+    def grounding(self) -> float:
+        """The mean grounded share of the nodes that copy (0 when none does)."""
+        shares = [g for g in (n.grounding() for n in self.nodes) if g is not None]
+        return sum(shares) / len(shares) if shares else 0.0
+
     def reward(self, gold: str, kind: str, min_llm_calls: int,
                cfg: rewards.RewardConfig = rewards.RewardConfig()) -> rewards.RewardParts:
-        """R_A + R_F - R_E of the finished episode."""
+        """R_A + R_F - R_E (+ R_G) of the finished episode."""
         score = 0.0 if self.answer is None else rewards.check_answer(self.answer, gold, kind, cfg)
+        grounding = self.grounding() if cfg.w_grounding else 0.0
         return rewards.reward_parts(score, len(self.nodes), sum(n.wellformed for n in self.nodes),
-                                    self.llm_calls, min_llm_calls, cfg)
+                                    self.llm_calls, min_llm_calls, cfg, grounding)
+
+
+def _json_object(text: str) -> dict | None:
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _json_values(value: Any) -> str:
+    """The leaf values of a JSON value, space-separated (keys are schema, not copies).
+    Iterative: any JSON the parser accepted, however deep, is walked without recursion."""
+    leaves, stack = [], [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, (dict, list)):
+            stack.extend(reversed(list(v.values() if isinstance(v, dict) else v)))
+        elif v is not None and not isinstance(v, bool):
+            leaves.append(str(v))
+    return " ".join(leaves)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,9 +1,11 @@
-"""Episode rewards R = R_A + R_F - R_E, on the host.
+"""Episode rewards R = R_A + R_F - R_E (+ R_G), on the host.
 
 R_A in [0, 1] comes from an answer checker: normalized exact match (`text`), numeric equality
 with tolerance (`number`) or structural equality of a JSON function call (`call`). R_F rewards
-well-formed nodes, R_E penalizes LLM calls beyond the task's minimum. The memory learns from
-R_A + R_F (the paper leaves R_E out). Checkers never raise on any model output.
+well-formed nodes, R_E penalizes LLM calls beyond the task's minimum. R_G, off by default (not
+the paper's), rewards grounded copies: the share of the words an agent puts into tool arguments
+and answers that occur in what it read. The memory learns from R_A + R_F (the paper leaves
+R_E out). Checkers never raise on any model output.
 """
 
 from __future__ import annotations
@@ -30,10 +32,11 @@ class RewardConfig:
     calls) beats a wrong minimal one (0.1) for k < 20, more than an episode's node limit allows,
     so efficiency never outweighs correctness. Tolerances apply to non-integers only (integers
     such as ids and counts must match exactly); rel_tol 1e-6 keeps amounts up to 10,000 distinct
-    to the cent.
+    to the cent. w_grounding 0 leaves R_G out (the paper's reward).
     """
     w_format: float = 0.1
     w_efficiency: float = 0.05
+    w_grounding: float = 0.0
     rel_tol: float = 1e-6
     abs_tol: float = 1e-9
 
@@ -168,7 +171,32 @@ def _is_number(value: Any) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------
-# The reward (R_A + R_F - R_E).
+# Grounding (R_G): copied words that occur in the agent's context.
+# ------------------------------------------------------------------------------------------------
+
+_WORD = re.compile(r"[^\W_]+(?:\.\d+)?")  # "13.69" is one word, "convert_units" two.
+
+
+def words(text: str) -> list[str]:
+    """The casefolded words of `text`: letter and digit runs, a decimal number kept whole."""
+    return _WORD.findall(unicodedata.normalize("NFKC", text).casefold())
+
+
+def grounded_share(copied: str, context: str) -> float | None:
+    """The share of `copied`'s words that occur among `context`'s words; None without words.
+
+    A tool argument or an answer that names a city, a number or an id the agent never read
+    scores below 1; on the suite's gold trajectories tool arguments and answers score 0.99-1.0.
+    """
+    out = words(copied)
+    if not out:
+        return None
+    seen = set(words(context))
+    return sum(w in seen for w in out) / len(out)
+
+
+# ------------------------------------------------------------------------------------------------
+# The reward (R_A + R_F - R_E + R_G).
 # ------------------------------------------------------------------------------------------------
 
 
@@ -177,22 +205,25 @@ class RewardParts(NamedTuple):
     r_answer: np.ndarray
     r_format: np.ndarray
     r_efficiency: np.ndarray  # The penalty R_E, subtracted from the total.
-    total: np.ndarray  # R_A + R_F - R_E, the GRPO reward.
+    r_grounding: np.ndarray
+    total: np.ndarray  # R_A + R_F - R_E + R_G, the GRPO reward.
     memory_reward: np.ndarray  # R_A + R_F, what the memory learns from.
 
 
 def reward_parts(answer_score, n_nodes, n_wellformed_nodes, n_llm_calls, min_llm_calls,
-                 cfg: RewardConfig = RewardConfig()) -> RewardParts:
+                 cfg: RewardConfig = RewardConfig(), grounding=0.0) -> RewardParts:
     """The reward of one episode, or of a batch (array-likes broadcast together).
 
     R_F = w_format * well-formed nodes / nodes (0 for an episode without nodes);
-    R_E = w_efficiency * max(0, LLM calls - the task's minimum); memory hits are not LLM calls.
+    R_E = w_efficiency * max(0, LLM calls - the task's minimum); memory hits are not LLM calls;
+    R_G = w_grounding * grounding, the episode's grounded share in [0, 1].
     """
-    r_a = np.asarray(answer_score, np.float64)
+    r_a, r_g = np.asarray(answer_score, np.float64), np.asarray(grounding, np.float64)
     nodes, good, calls, min_calls = (np.asarray(x, np.int64) for x in
                                      (n_nodes, n_wellformed_nodes, n_llm_calls, min_llm_calls))
-    if np.any((r_a < 0) | (r_a > 1) | ~np.isfinite(r_a)):
-        raise ValueError(f"answer_score must lie in [0, 1], got {answer_score}.")
+    for name, x, value in (("answer_score", r_a, answer_score), ("grounding", r_g, grounding)):
+        if np.any((x < 0) | (x > 1) | ~np.isfinite(x)):
+            raise ValueError(f"{name} must lie in [0, 1], got {value}.")
     if np.any((good < 0) | (good > nodes) | (calls < 0) | (min_calls < 0)):
         raise ValueError("Counts must satisfy 0 <= n_wellformed_nodes <= n_nodes and "
                          f"n_llm_calls, min_llm_calls >= 0; got nodes={n_nodes}, "
@@ -201,6 +232,6 @@ def reward_parts(answer_score, n_nodes, n_wellformed_nodes, n_llm_calls, min_llm
     r_f = cfg.w_format * np.divide(good, nodes, out=np.zeros(np.broadcast(good, nodes).shape),
                                    where=nodes > 0)
     r_e = cfg.w_efficiency * np.maximum(0, calls - min_calls)
-    r_a, r_f, r_e = np.broadcast_arrays(r_a, r_f, r_e)
-    parts = (r_a, r_f, r_e, r_a + r_f - r_e, r_a + r_f)
+    r_a, r_f, r_e, r_g = np.broadcast_arrays(r_a, r_f, r_e, cfg.w_grounding * r_g)
+    parts = (r_a, r_f, r_e, r_g, r_a + r_f - r_e + r_g, r_a + r_f)
     return RewardParts(*(np.asarray(x, np.float32) for x in parts))

@@ -5,6 +5,7 @@ import pytest
 from joyagents_jax.agents import protocol, system
 from joyagents_jax.data import assistant_suite as suite
 from joyagents_jax.data.world import make_world
+from joyagents_jax.rl import rewards
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +123,40 @@ def test_every_gold_trajectory_earns_full_reward():
             parts = ep.reward(ex.answer, ex.answer_kind, ex.min_llm_calls)
             assert parts.r_answer == 1.0 and parts.r_efficiency == 0.0, ex
             assert parts.r_format == pytest.approx(0.1), ex
+
+
+def test_grounding_scores_copies_against_what_the_agent_read(world):
+    ep = system.Episode(_system(world), "Convert 388 g to oz.")
+    ep.apply('<call agent="gfc"/>')
+    ep.apply('<tool name="convert_units">{"value":388,"from_unit":"g","to_unit":"lb"}</tool>')
+    ep.apply("<answer>3</answer>")  # the observation says something else
+    ep.apply("<answer>3</answer>")  # copied from the gfc agent: grounded
+    assert [n.grounding() for n in ep.nodes] == [None, 2 / 3, 0.0, 1.0]
+    assert ep.grounding() == pytest.approx(5 / 9)
+    parts = ep.reward("13.69", "number", 4, rewards.RewardConfig(w_grounding=0.3))
+    assert parts.r_grounding == pytest.approx(0.3 * 5 / 9)
+    assert ep.reward("13.69", "number", 4).r_grounding == 0.0  # w_grounding 0: off
+    malformed = system.Episode(_system(world), "hi")
+    malformed.apply("hello")
+    assert malformed.nodes[0].grounding() is None and malformed.grounding() == 0.0
+
+
+def test_grounding_reads_json_answers_by_their_values(world):
+    ep = system.Episode(_system(world), "Apply coupon OHXUS to order Z476.")
+    ep.apply('<call agent="efc"/>')
+    ep.apply('<answer>{"name":"apply_coupon","arguments":{"order_id":"Z476","code":"OHXUS"}}'
+             '</answer>')
+    assert ep.nodes[1].grounding() == 1.0  # keys are schema; every value is in the query
+
+
+def test_gold_trajectories_are_grounded():
+    """R_G agrees with the demonstrations: gold copies what it read (a story's "double" is a
+    2 it never wrote, so not quite every node scores 1)."""
+    records = suite.generate_splits(suite.CPU)["train"]
+    sys_ = system.make_system(suite.suite_world(suite.CPU))
+    shares = [system.demonstration(sys_, ex.query, [n.output for n in ex.gold]).grounding()
+              for ex in map(suite.decode, records)]
+    assert min(shares) >= 0.8 and sum(shares) / len(shares) >= 0.99
 
 
 def test_system_config_errors(world):

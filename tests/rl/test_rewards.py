@@ -1,4 +1,5 @@
-"""Rewards: answer checkers (true and false cases, hostile inputs) and R = R_A + R_F - R_E."""
+"""Rewards: answer checkers (true and false cases, hostile inputs), grounding, and
+R = R_A + R_F - R_E + R_G."""
 
 import json
 import random
@@ -7,7 +8,8 @@ import numpy as np
 import pytest
 
 from joyagents_jax.rl.rewards import (
-    RewardConfig, check_answer, extract_number, normalize_text, reward_parts)
+    RewardConfig, check_answer, extract_number, grounded_share, normalize_text, reward_parts,
+    words)
 
 # ------------------------------------------------------------------------------------------------
 # Text.
@@ -196,9 +198,28 @@ def test_unknown_kind_raises():
 # ------------------------------------------------------------------------------------------------
 
 
+def test_words_split_names_and_keep_decimals_whole():
+    assert words("Convert 388 g to oz: 13.69, convert_units!") == [
+        "convert", "388", "g", "to", "oz", "13.69", "convert", "units"]
+    assert words("ＡＢＣ Café") == ["abc", "café"]  # NFKC, casefolded.
+    assert words(" ,;- ") == []
+
+
+@pytest.mark.parametrize("copied, context, share", [
+    ("13.69", "388 g = 13.69 oz", 1.0),
+    ("3", "388 g = 13.69 oz", 0.0),  # Not a word of the context: "388" and "13.69" are.
+    ("todap saturday", "What is the weather in todap on Saturday?", 1.0),
+    ("rekeg saturday", "What is the weather in todap on Saturday?", 0.5),
+    ("", "anything", None),
+    ("!!", "anything", None),
+])
+def test_grounded_share(copied, context, share):
+    assert grounded_share(copied, context) == share
+
+
 def test_reward_parts_scalar():
     parts = reward_parts(1.0, n_nodes=4, n_wellformed_nodes=4, n_llm_calls=4, min_llm_calls=3)
-    np.testing.assert_allclose(parts, [1.0, 0.1, 0.05, 1.05, 1.1], rtol=1e-6)
+    np.testing.assert_allclose(parts, [1.0, 0.1, 0.05, 0.0, 1.05, 1.1], rtol=1e-6)
     assert all(p.shape == () and p.dtype == np.float32 for p in parts)
 
 
@@ -213,6 +234,17 @@ def test_reward_parts_batch_and_config():
     np.testing.assert_allclose(parts.total, [1.2, -0.35, 0.0, 1.2], rtol=1e-6)
     np.testing.assert_allclose(parts.memory_reward, [1.2, 0.05, 0.0, 1.2], rtol=1e-6)
     assert all(p.shape == (4,) for p in parts)
+
+
+def test_grounding_enters_the_total_only_when_weighted():
+    shares = [1.0, 0.5, 0.0]
+    off = reward_parts(0.0, 2, 2, 2, 2, grounding=shares)
+    np.testing.assert_allclose(off.r_grounding, [0, 0, 0])
+    np.testing.assert_allclose(off.total, [0.1, 0.1, 0.1], rtol=1e-6)
+    on = reward_parts(0.0, 2, 2, 2, 2, RewardConfig(w_grounding=0.2), grounding=shares)
+    np.testing.assert_allclose(on.r_grounding, [0.2, 0.1, 0.0], rtol=1e-6)
+    np.testing.assert_allclose(on.total, [0.3, 0.2, 0.1], rtol=1e-6)
+    np.testing.assert_allclose(on.memory_reward, [0.1, 0.1, 0.1], rtol=1e-6)  # R_A + R_F only.
 
 
 def test_correctness_dominates_format_and_efficiency():
@@ -230,6 +262,12 @@ def test_correctness_dominates_format_and_efficiency():
 def test_reward_parts_rejects_bad_inputs(args):
     with pytest.raises(ValueError):
         reward_parts(*args)
+
+
+@pytest.mark.parametrize("grounding", [1.5, -0.1, np.nan])
+def test_reward_parts_rejects_bad_grounding(grounding):
+    with pytest.raises(ValueError, match="grounding must lie in"):
+        reward_parts(1.0, 1, 1, 1, 1, grounding=grounding)
 
 
 def test_reward_config_rejects_negative_weights():
