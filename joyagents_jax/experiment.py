@@ -446,6 +446,7 @@ class Experiment:
                 "time/update_seconds": 0.0,
                 "grpo/accuracy": float(np.mean([r.r_answer for r in result.rewards])),
                 "grpo/reward": float(np.mean([r.total for r in result.rewards])),
+                "grpo/grounding": _grounding(result),
                 "rollout/sampler_calls": c.sampler_calls, "rollout/waves": c.waves,
                 "rollout/generated_tokens": c.generated_tokens, "rollout/llm_nodes": c.llm_nodes,
                 "rollout/alternatives": c.alternatives, "rollout/tool_calls": c.tool_calls,
@@ -473,9 +474,15 @@ class Experiment:
         return summarize(exs, result, seconds, f"eval/{split}")
 
 
+def _grounding(result: rollout.RolloutResult) -> float:
+    """The episodes' mean grounded share (what R_G scores), logged whether or not it is weighted."""
+    return float(np.mean([t.episode.grounding() for t in result.episodes]))
+
+
 def summarize(exs: Sequence[suite.Example], result: rollout.RolloutResult, seconds: float,
               prefix: str) -> dict[str, float]:
-    """Per-domain accuracy (R_A), mean reward parts, LLM calls, memory hits, cost per query."""
+    """Per-domain accuracy (R_A), mean reward parts, grounding, LLM calls, memory hits, cost per
+    query."""
     by_domain = collections.defaultdict(list)
     for ex, parts in zip(exs, result.rewards):
         by_domain[ex.domain].append(float(parts.r_answer))
@@ -484,6 +491,7 @@ def summarize(exs: Sequence[suite.Example], result: rollout.RolloutResult, secon
     out[f"{prefix}/accuracy"] = float(np.mean([float(p.r_answer) for p in result.rewards]))
     for part in ("r_answer", "r_format", "r_efficiency", "r_grounding", "total"):
         out[f"{prefix}/{part}"] = float(np.mean([float(getattr(p, part)) for p in result.rewards]))
+    out[f"{prefix}/grounding"] = _grounding(result)
     calls = [t.episode.llm_calls for t in result.episodes]
     out[f"{prefix}/llm_calls_per_query"] = float(np.mean(calls))
     out[f"{prefix}/memory_hit_rate"] = result.counters.memory_hits / max(
