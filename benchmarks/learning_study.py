@@ -53,6 +53,8 @@ VARIANTS = {
                   {"grpo.query_order": "questions"}),
     "grounding": ("the default with R_G (w_grounding=0.2): grounded copies rewarded",
                   {"grpo.w_grounding": 0.2}),
+    "grounding_kall": ("R_G (w_grounding=0.2) and every node group with a reward spread (K=all)",
+                       {"grpo.w_grounding": 0.2, "grpo.topk": 0}),
 }
 MAIN = ("sft_only", "trajectory", "nodewise_all", "nodewise_topk", "joyagents")
 SPLITS = {"test": 200, "test_novel": 50}
