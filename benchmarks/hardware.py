@@ -48,17 +48,23 @@ def memory_bandwidth(mbytes: int = 512) -> float:
 
 
 def device_name() -> str:
-    """The first device in words, e.g. 'NVIDIA H100 80GB HBM3' or, on the CPU, its model and core
-    count ('cpu: AMD EPYC, 2 cores'): CPU ratios differ between hosts, so each keeps its record."""
+    """The first device in words, e.g. 'NVIDIA H100 80GB HBM3' or, on the CPU, its model, core
+    count and widest vector ISA ('cpu: AMD EPYC, 2 cores, AVX2'): CPU ratios differ between
+    hosts (two "AMD EPYC" hosts of this project differ 3x in matmul peak), so each keeps its
+    record."""
     d = jax.devices()[0]
     if d.platform != "cpu":
         return getattr(d, "device_kind", d.platform)
-    model = platform.processor() or "unknown model"
+    model, flags = platform.processor() or "unknown model", set()
     if os.path.exists("/proc/cpuinfo"):
         with open("/proc/cpuinfo") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+            lines = [line.split(":", 1) for line in f if ":" in line]
+        names = [v.strip() for k, v in lines if k.strip() == "model name"]
         model = names[0] if names else model
-    return f"cpu: {model}, {os.cpu_count()} cores"
+        flags = set(next((v.split() for k, v in lines if k.strip() == "flags"), []))
+    isa = next((f", {name}" for flag, name in (("avx512f", "AVX-512"), ("avx2", "AVX2"))
+                if flag in flags), "")
+    return f"cpu: {model}, {os.cpu_count()} cores{isa}"
 
 
 def record_results(path: str, records: list[dict]) -> None:
