@@ -55,6 +55,8 @@ VARIANTS = {
                   {"grpo.w_grounding": 0.2}),
     "grounding_kall": ("R_G (w_grounding=0.2) and every node group with a reward spread (K=all)",
                        {"grpo.w_grounding": 0.2, "grpo.topk": 0}),
+    "grounding_chars": ("R_G (w_grounding=0.2) with partial credit for near copies",
+                        {"grpo.w_grounding": 0.2, "grpo.grounding_match": "chars"}),
 }
 MAIN = ("sft_only", "trajectory", "nodewise_all", "nodewise_topk", "joyagents")
 SPLITS = {"test": 200, "test_novel": 50}

@@ -41,7 +41,7 @@ class Components(NamedTuple):
 def build(c: ml_collections.ConfigDict) -> Components:
     s, g = c.sft, c.grpo
     rewards = rw.RewardConfig(w_format=g.w_format, w_efficiency=g.w_efficiency,
-                              w_grounding=g.w_grounding)
+                              w_grounding=g.w_grounding, grounding_match=g.grounding_match)
     loss = grpo.GRPOConfig(eps_low=g.eps_low, eps_high=g.eps_high, beta=g.beta, kl=g.kl,
                            aggregation=g.aggregation, max_len=c.limits.max_tokens_per_node,
                            temperature=g.temperature if g.tempered_loss else 1.0)

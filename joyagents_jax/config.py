@@ -75,14 +75,16 @@ def get_config() -> ml_collections.ConfigDict:
     # questions as often as users ask them); "questions" from its distinct questions, each once
     # per epoch (rare questions, where the SFT policies fail most, as often as popular ones).
     # w_grounding > 0 adds R_G to GRPO's reward: the share of the words agents copy into tool
-    # arguments and answers that occur in what they read (0: the paper's R_A + R_F - R_E).
+    # arguments and answers that occur in what they read (0: the paper's R_A + R_F - R_E);
+    # grounding_match "word" counts verbatim words only, "chars" gives near copies partial
+    # credit by character similarity.
     c.grpo = ml_collections.ConfigDict(dict(
         steps=30, queries=12, group_size=4, mode="nodewise", topk=5, select="groups",
         micro_batch=16, inner_steps=2, beta=0.04, eps_low=0.2, eps_high=0.28, kl="k3",
         aggregation="seq_mean_token_mean", advantage="std", learning_rate=1e-5, warmup_steps=0,
         clip_norm=1.0, temperature=0.3, tempered_loss=False, top_p=1.0, top_k=0,
         memory_groups="keep", w_format=0.1, w_efficiency=0.05, w_grounding=0.0, min_groups=0,
-        max_refills=2, query_order="traffic"))
+        max_refills=2, query_order="traffic", grounding_match="word"))
 
     # Reuse needs a (near-)identical node input: with mean-pooled embeddings of a tiny model,
     # different prompts of one agent reach cosine 0.9996 (measured). Hints are off by default

@@ -21,6 +21,7 @@ import ml_collections
 from joyagents_jax import config as config_lib
 from joyagents_jax import sharding
 from joyagents_jax.agents import protocol
+from joyagents_jax.rl import rewards
 
 ATTENTION_IMPLS = ("xla", "cudnn")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -256,6 +257,7 @@ def _grpo(c) -> Iterator[str]:
                     _choice(c, "grpo.query_order", QUERY_ORDERS),
                     _number(c, "grpo.w_format", low=0), _number(c, "grpo.w_efficiency", low=0),
                     _number(c, "grpo.w_grounding", low=0, why="0 leaves R_G out"),
+                    _choice(c, "grpo.grounding_match", rewards.GROUNDING_MATCHES),
                     _number(c, "grpo.min_groups", low=0, integer=True,
                             why="0 turns dynamic sampling off"),
                     _number(c, "grpo.max_refills", low=0, integer=True))

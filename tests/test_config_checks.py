@@ -57,6 +57,8 @@ def test_the_default_and_real_checkpoint_configs_are_valid(tmp_path):
     ({"grpo__micro_batch": 12}, "config.grpo.micro_batch=12: must be a power of two"),
     ({"grpo__memory_groups": "skip"}, "config.grpo.memory_groups='skip': not one of keep, drop"),
     ({"grpo__query_order": "zipf"}, "config.grpo.query_order='zipf': not one of traffic, questions"),
+    ({"grpo__grounding_match": "letters"},
+     "config.grpo.grounding_match='letters': not one of word, chars"),
     ({"grpo__memory_groups": "drop", "grpo__mode": "full_tree"},
      "full_tree rollouts do not mark memory-answered"),
     ({"groups__all__model": "qwen9"}, "config.groups.all.model='qwen9': not a preset"),

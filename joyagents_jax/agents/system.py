@@ -72,10 +72,11 @@ class Node:
     def wellformed(self) -> bool:
         return not isinstance(self.action, ParseError) and not self.truncated
 
-    def grounding(self) -> float | None:
+    def grounding(self, match: str = "word") -> float | None:
         """The share of the words this node copies (tool argument values; an answer, or the
-        values of an answer that is a JSON object) that occur in its query and turns. None for
-        other nodes: a master's sub-query is a paraphrase, and malformed output copies nothing.
+        values of an answer that is a JSON object) that occur in its query and turns
+        (`rewards.grounded_share`, by `match`). None for other nodes: a master's sub-query is a
+        paraphrase, and malformed output copies nothing.
         """
         if isinstance(self.action, ToolCall):
             copied = _json_values(self.action.args)
@@ -85,7 +86,7 @@ class Node:
         else:
             return None
         context = " ".join([self.query, *(text for turn in self.turns for text in turn)])
-        return rewards.grounded_share(copied, context)
+        return rewards.grounded_share(copied, context, match)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,16 +190,16 @@ class Episode:
     def llm_calls(self) -> int:
         return sum(not n.from_memory for n in self.nodes)
 
-    def grounding(self) -> float:
+    def grounding(self, match: str = "word") -> float:
         """The mean grounded share of the nodes that copy (0 when none does)."""
-        shares = [g for g in (n.grounding() for n in self.nodes) if g is not None]
+        shares = [g for g in (n.grounding(match) for n in self.nodes) if g is not None]
         return sum(shares) / len(shares) if shares else 0.0
 
     def reward(self, gold: str, kind: str, min_llm_calls: int,
                cfg: rewards.RewardConfig = rewards.RewardConfig()) -> rewards.RewardParts:
         """R_A + R_F - R_E (+ R_G) of the finished episode."""
         score = 0.0 if self.answer is None else rewards.check_answer(self.answer, gold, kind, cfg)
-        grounding = self.grounding() if cfg.w_grounding else 0.0
+        grounding = self.grounding(cfg.grounding_match) if cfg.w_grounding else 0.0
         return rewards.reward_parts(score, len(self.nodes), sum(n.wellformed for n in self.nodes),
                                     self.llm_calls, min_llm_calls, cfg, grounding)
 

@@ -11,6 +11,7 @@ R_E out). Checkers never raise on any model output.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import re
@@ -20,6 +21,7 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 
 AnswerKind = Literal["text", "number", "call"]
+GROUNDING_MATCHES = ("word", "chars")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,18 +34,25 @@ class RewardConfig:
     calls) beats a wrong minimal one (0.1) for k < 20, more than an episode's node limit allows,
     so efficiency never outweighs correctness. Tolerances apply to non-integers only (integers
     such as ids and counts must match exactly); rel_tol 1e-6 keeps amounts up to 10,000 distinct
-    to the cent. w_grounding 0 leaves R_G out (the paper's reward).
+    to the cent. w_grounding 0 leaves R_G out (the paper's reward); grounding_match "word" counts
+a copied word only when it occurs verbatim, "chars" gives a near copy partial credit
+(`grounded_share`).
     """
     w_format: float = 0.1
     w_efficiency: float = 0.05
     w_grounding: float = 0.0
+    grounding_match: Literal["word", "chars"] = "word"
     rel_tol: float = 1e-6
     abs_tol: float = 1e-9
 
     def __post_init__(self):
-        bad = {k: v for k, v in dataclasses.asdict(self).items() if not v >= 0}
+        bad = {k: v for k, v in dataclasses.asdict(self).items()
+               if k != "grounding_match" and not v >= 0}
         if bad:
             raise ValueError(f"RewardConfig fields must be >= 0, got {bad}.")
+        if self.grounding_match not in GROUNDING_MATCHES:
+            raise ValueError(f"RewardConfig.grounding_match must be one of {GROUNDING_MATCHES}, "
+                             f"got {self.grounding_match!r}.")
 
     @property
     def best_memory_reward(self) -> float:
@@ -182,17 +191,33 @@ def words(text: str) -> list[str]:
     return _WORD.findall(unicodedata.normalize("NFKC", text).casefold())
 
 
-def grounded_share(copied: str, context: str) -> float | None:
-    """The share of `copied`'s words that occur among `context`'s words; None without words.
+def grounded_share(copied: str, context: str, match: str = "word") -> float | None:
+    """The mean credit of `copied`'s words against `context`'s words; None without words.
 
-    A tool argument or an answer that names a city, a number or an id the agent never read
-    scores below 1; on the suite's gold trajectories tool arguments and answers score 0.99-1.0.
+    match "word": a word scores 1 when it occurs in the context, else 0. "chars": a word not in
+    the context scores its best character similarity to a context word (difflib's ratio,
+    2 x matching characters / total characters), so "shenzen" copied from "shenzhen" earns 0.93
+    where "word" gives nothing. A tool argument or an answer that names a city, a number or an
+    id the agent never read scores below 1; on the suite's gold trajectories tool arguments and
+    answers score 0.99-1.0.
     """
     out = words(copied)
     if not out:
         return None
     seen = set(words(context))
-    return sum(w in seen for w in out) / len(out)
+    credit = lambda w: 1.0 if w in seen else (_near_copy(w, seen) if match == "chars" else 0.0)
+    return sum(map(credit, out)) / len(out)
+
+
+def _near_copy(word: str, seen: set[str]) -> float:
+    """The best difflib ratio of `word` to a word of `seen` (0 when `seen` is empty)."""
+    matcher = difflib.SequenceMatcher(b=word, autojunk=False)
+    best = 0.0
+    for other in seen:
+        matcher.set_seq1(other)
+        if matcher.real_quick_ratio() > best and matcher.quick_ratio() > best:
+            best = max(best, matcher.ratio())
+    return best
 
 
 # ------------------------------------------------------------------------------------------------

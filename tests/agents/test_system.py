@@ -136,6 +136,13 @@ def test_grounding_scores_copies_against_what_the_agent_read(world):
     parts = ep.reward("13.69", "number", 4, rewards.RewardConfig(w_grounding=0.3))
     assert parts.r_grounding == pytest.approx(0.3 * 5 / 9)
     assert ep.reward("13.69", "number", 4).r_grounding == 0.0  # w_grounding 0: off
+    # By characters, the answer "3" is a near copy of the "388" it read (2 x 1 shared / 4
+    # characters); "lb" shares no character with a word of the query.
+    assert [n.grounding("chars") for n in ep.nodes] == [None, 2 / 3, 0.5, 1.0]
+    chars = ep.reward("13.69", "number", 4,
+                      rewards.RewardConfig(w_grounding=0.3, grounding_match="chars"))
+    assert chars.r_grounding == pytest.approx(0.3 * ep.grounding("chars"))
+    assert ep.grounding("chars") > ep.grounding()
     malformed = system.Episode(_system(world), "hi")
     malformed.apply("hello")
     assert malformed.nodes[0].grounding() is None and malformed.grounding() == 0.0

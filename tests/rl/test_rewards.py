@@ -217,6 +217,30 @@ def test_grounded_share(copied, context, share):
     assert grounded_share(copied, context) == share
 
 
+@pytest.mark.parametrize("copied, context, share", [
+    ("13.69", "388 g = 13.69 oz", 1.0),  # verbatim words keep full credit
+    ("shenzen", "ship to Shenzhen", 14 / 15),  # 2 x 7 matching characters / 15 characters
+    ("rekeg saturday", "What is the weather in todap on Saturday?", (1 / 3 + 1.0) / 2),
+    ("xyz", "abc", 0.0),
+    ("xyz", "", 0.0),  # nothing read: no word to be near
+    ("!!", "anything", None),
+])
+def test_grounded_share_by_characters(copied, context, share):
+    """A word's credit is its best ratio: "rekeg" is nearest "weather" (2 x 2 shared / 12)."""
+    got = grounded_share(copied, context, "chars")
+    assert got == share if share is None else got == pytest.approx(share)
+
+
+def test_character_credit_never_falls_below_word_credit():
+    rng = np.random.default_rng(0)
+    vocab = ["order", "z476", "ohxus", "shenzhen", "13.69", "coupon", "oz", "saturday"]
+    for _ in range(50):
+        context = " ".join(rng.choice(vocab, 4))
+        copied = " ".join(w[: rng.integers(1, len(w) + 1)] for w in rng.choice(vocab, 3))
+        word, chars = grounded_share(copied, context), grounded_share(copied, context, "chars")
+        assert word <= chars <= 1.0
+
+
 def test_reward_parts_scalar():
     parts = reward_parts(1.0, n_nodes=4, n_wellformed_nodes=4, n_llm_calls=4, min_llm_calls=3)
     np.testing.assert_allclose(parts, [1.0, 0.1, 0.05, 0.0, 1.05, 1.1], rtol=1e-6)
@@ -273,3 +297,5 @@ def test_reward_parts_rejects_bad_grounding(grounding):
 def test_reward_config_rejects_negative_weights():
     with pytest.raises(ValueError, match="w_efficiency"):
         RewardConfig(w_efficiency=-0.1)
+    with pytest.raises(ValueError, match="grounding_match must be one of"):
+        RewardConfig(grounding_match="letters")
