@@ -34,9 +34,9 @@ class RewardConfig:
     calls) beats a wrong minimal one (0.1) for k < 20, more than an episode's node limit allows,
     so efficiency never outweighs correctness. Tolerances apply to non-integers only (integers
     such as ids and counts must match exactly); rel_tol 1e-6 keeps amounts up to 10,000 distinct
-    to the cent. w_grounding 0 leaves R_G out (the paper's reward); grounding_match "word" counts
-a copied word only when it occurs verbatim, "chars" gives a near copy partial credit
-(`grounded_share`).
+    to the cent. w_grounding 0 leaves R_G out (the paper's reward); grounding_match "word"
+    counts a copied word only when it occurs verbatim, "chars" gives a near copy partial credit
+    (`grounded_share`).
     """
     w_format: float = 0.1
     w_efficiency: float = 0.05
