@@ -44,10 +44,13 @@ def get_config() -> ml_collections.ConfigDict:
     # (agents start equal and take the mean gradient), as real agents share a pretrained base.
     # demo_*: rates of an imperfect demonstrator's detours (agents/demonstrator.py): the master
     # first asks the wrong sub-agent, a sub-agent tries a wrong tool or repeats a call; 0: gold.
+    # extra_worlds > 0 (assistant suite only) adds the train traffic of that many other worlds
+    # to the demonstrations: entities the policies cannot memorize, only copy (0: the suite's).
     c.sft = ml_collections.ConfigDict(dict(steps=600, shared_steps=600, batch_per_agent=8,
                                            learning_rate=5e-3, warmup_steps=20, weight_decay=0.0,
                                            clip_norm=1.0, demo_wrong_route=0.0,
-                                           demo_wrong_tool=0.0, demo_redundant_call=0.0))
+                                           demo_wrong_tool=0.0, demo_redundant_call=0.0,
+                                           extra_worlds=0))
 
     # LoRA (rank 0: full fine-tuning). rank > 0: each agent of the listed groups ("": all) trains
     # its own adapters (scaled by alpha / rank) on the projections whose name matches `targets`,

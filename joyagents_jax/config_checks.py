@@ -226,8 +226,12 @@ def _sft(c) -> Iterator[str]:
                     _number(c, "sft.warmup_steps", low=0, integer=True),
                     _number(c, "sft.weight_decay", low=0),
                     _number(c, "sft.clip_norm", low=0, low_open=True),
+                    _number(c, "sft.extra_worlds", low=0, integer=True),
                     *(_number(c, f"sft.demo_{k}", low=0, high=1, why="a rate")
                       for k in ("wrong_route", "wrong_tool", "redundant_call")))
+    if c.sft.extra_worlds and c.dataset != "assistant_suite":
+        yield (f"config.sft.extra_worlds={c.sft.extra_worlds}: other worlds exist only for the "
+               f"assistant suite, not dataset={c.dataset!r}; set it to 0.")
 
 
 def _grpo(c) -> Iterator[str]:

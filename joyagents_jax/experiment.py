@@ -244,24 +244,40 @@ class Experiment:
         state, m = self._jitted[name](state, batch)
         return state, distributed.to_host(m)
 
+    def _demo_examples(self) -> list[tuple[system.AgentSystem, str, suite.Example]]:
+        """(system, detour-seed prefix, example) of every train example, then of the train
+        traffic of `sft.extra_worlds` other worlds of the suite (their own entities and question
+        pools): demonstrations whose answers the policies cannot memorize, only copy."""
+        source = self.sources["train"]
+        out = [(self.system, "", suite.decode(source[i])) for i in range(len(source))]
+        for k in range(1, self.config.sft.extra_worlds + 1):
+            base = suite.CONFIGS[self.config.suite]
+            other = dataclasses.replace(base, world_seed=base.world_seed + k, seed=base.seed + k)
+            world_system = system.make_system(
+                suite.suite_world(other), limits=self.parts.limits,
+                agents=[a for a in self.system.agents if a != protocol.MASTER])
+            out += [(world_system, f"{k}/", suite.decode(r))
+                    for r in suite.generate_splits(other)["train"]]
+        return out
+
     def _demonstrations(self) -> dict[str, list[tuple[list[int], list[int]]]]:
         """Per agent, (context ids, output ids) of every node of one demonstration of every
-        train example: its gold trajectory, with the configured demonstrator's detours."""
+        train example (`_demo_examples`): its gold trajectory, with the configured
+        demonstrator's detours."""
         demos = collections.defaultdict(list)
-        source = self.sources["train"]
-        examples = [suite.decode(source[i]) for i in range(len(source))]
-        outputs = [demonstrator.outputs(self.system, [(n.agent, n.output) for n in ex.gold],
+        examples = self._demo_examples()
+        outputs = [demonstrator.outputs(world, [(n.agent, n.output) for n in ex.gold],
                                         self.parts.demonstrator,
-                                        random.Random(f"{self.config.seed}/demo/{i}"))
-                   for i, ex in enumerate(examples)]
+                                        random.Random(f"{self.config.seed}/demo/{prefix}{i}"))
+                   for i, (world, prefix, ex) in enumerate(examples)]
         most = max(map(len, outputs))
         if most > self.parts.limits.max_nodes:
             raise ValueError(f"config.limits.max_nodes={self.parts.limits.max_nodes}: the "
                              f"longest SFT demonstration has {most} LLM nodes, more than an "
                              f"episode may have; raise limits.max_nodes to at least {most}, or "
                              f"lower the sft.demo_* rates.")
-        for ex, nodes in zip(examples, outputs):
-            episode = system.demonstration(self.system, ex.query, nodes)
+        for (world, _, ex), nodes in zip(examples, outputs):
+            episode = system.demonstration(world, ex.query, nodes)
             for node in episode.nodes:
                 prompt = protocol.render_prompt(self.tokenizer, self.system.specs[node.agent],
                                                 node.query, node.turns)

@@ -33,6 +33,7 @@ def test_the_default_and_real_checkpoint_configs_are_valid(tmp_path):
     ({"attention_impl": "flash"}, "config.attention_impl='flash': not one of xla, cudnn"),
     ({"grpo__min_groups": -1}, "config.grpo.min_groups=-1: must be >= 0 (0 turns dynamic sampling off)"),
     ({"grpo__max_refills": -2}, "config.grpo.max_refills=-2: must be >= 0"),
+    ({"sft__extra_worlds": -1}, "config.sft.extra_worlds=-1: must be >= 0"),
     ({"lora__rank": -1}, "config.lora.rank=-1: must be >= 0 (0 = full fine-tuning)"),
     ({"lora__alpha": 0.0}, "config.lora.alpha=0.0: must be > 0"),
     ({"lora__targets": "qkv"}, "config.lora.targets='qkv': must be a regex matching the whole"),
@@ -118,3 +119,9 @@ def test_batch_must_split_over_the_mesh(monkeypatch):
     found = config_checks.problems(_with(mesh="data=2,fsdp=4", sft__batch_per_agent=4))
     assert found == ["config.sft.batch_per_agent=4: not divisible by the mesh's data x fsdp "
                      "size 8; use a multiple of 8."]
+
+
+def test_extra_worlds_are_refused_outside_the_assistant_suite():
+    found = config_checks.problems(_with(sft__extra_worlds=2, dataset="gsm8k", gsm8k_dir="/x"))
+    assert any("config.sft.extra_worlds=2: other worlds exist only for the assistant suite"
+               in p for p in found), found

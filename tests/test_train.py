@@ -413,3 +413,25 @@ def test_question_order_visits_every_distinct_train_question_once_per_epoch(data
     epoch = [t.query for k in range(-(-n // q)) for t in exp.train_tasks(k)][:n]
     assert sorted(epoch) == sorted(distinct)
     assert all(t.query in epoch for t in exp.refill_tasks(0, 1))
+
+
+def test_extra_worlds_add_demonstrations_replayed_on_their_own_world(data_dir, tmp_path):
+    """sft.extra_worlds=1: the suite's demonstrations unchanged, then one other world's train
+    traffic, whose tool observations come from that world (as its gold ones), not the suite's."""
+    from joyagents_jax.agents import system
+    plain = evaluate.experiment.Experiment(_config(data_dir=data_dir), str(tmp_path / "p"))
+    exp = evaluate.experiment.Experiment(_config(data_dir=data_dir, **{"sft.extra_worlds": 1}),
+                                         str(tmp_path / "x"))
+    for agent, pool in plain.demos.items():
+        assert exp.demos[agent][:len(pool)] == pool and len(exp.demos[agent]) > len(pool)
+    extra = [(world, ex) for world, prefix, ex in exp._demo_examples() if prefix == "1/"]
+    assert len(extra) == len(exp.sources["train"])
+
+    def observed(world, ex) -> bool:
+        episode = system.demonstration(world, ex.query, [n.output for n in ex.gold])
+        seen = " ".join(text for node in episode.nodes for turn in node.turns for text in turn)
+        return all(n.observation in seen for n in ex.gold if n.observation)
+
+    tools = [(world, ex) for world, ex in extra[:200] if any(n.observation for n in ex.gold)]
+    assert tools and all(observed(world, ex) for world, ex in tools)
+    assert not all(observed(exp.system, ex) for _, ex in tools)
