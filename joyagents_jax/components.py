@@ -21,9 +21,9 @@ from joyagents_jax.rl import rewards as rw
 from joyagents_jax.sampling import SamplingConfig
 
 # Read by the train loop itself (how many steps, which batch), not by a component.
-LOOP_KEYS = ("sft.steps", "sft.shared_steps", "sft.batch_per_agent", "grpo.steps",
-             "grpo.queries", "grpo.memory_groups", "grpo.min_groups", "grpo.max_refills",
-             "grpo.query_order", "memory.enabled", "memory.in_rollouts")
+LOOP_KEYS = ("sft.steps", "sft.shared_steps", "sft.batch_per_agent", "sft.extra_worlds",
+             "grpo.steps", "grpo.queries", "grpo.memory_groups", "grpo.min_groups",
+             "grpo.max_refills", "grpo.query_order", "memory.enabled", "memory.in_rollouts")
 
 
 class Components(NamedTuple):
