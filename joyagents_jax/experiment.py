@@ -250,8 +250,8 @@ class Experiment:
         pools): demonstrations whose answers the policies cannot memorize, only copy."""
         source = self.sources["train"]
         out = [(self.system, "", suite.decode(source[i])) for i in range(len(source))]
+        base = suite.CONFIGS.get(self.config.suite)
         for k in range(1, self.config.sft.extra_worlds + 1):
-            base = suite.CONFIGS[self.config.suite]
             other = dataclasses.replace(base, world_seed=base.world_seed + k, seed=base.seed + k)
             world_system = system.make_system(
                 suite.suite_world(other), limits=self.parts.limits,
@@ -266,18 +266,18 @@ class Experiment:
         demonstrator's detours."""
         demos = collections.defaultdict(list)
         examples = self._demo_examples()
-        outputs = [demonstrator.outputs(world, [(n.agent, n.output) for n in ex.gold],
+        outputs = [demonstrator.outputs(agents, [(n.agent, n.output) for n in ex.gold],
                                         self.parts.demonstrator,
                                         random.Random(f"{self.config.seed}/demo/{prefix}{i}"))
-                   for i, (world, prefix, ex) in enumerate(examples)]
+                   for i, (agents, prefix, ex) in enumerate(examples)]
         most = max(map(len, outputs))
         if most > self.parts.limits.max_nodes:
             raise ValueError(f"config.limits.max_nodes={self.parts.limits.max_nodes}: the "
                              f"longest SFT demonstration has {most} LLM nodes, more than an "
                              f"episode may have; raise limits.max_nodes to at least {most}, or "
                              f"lower the sft.demo_* rates.")
-        for (world, _, ex), nodes in zip(examples, outputs):
-            episode = system.demonstration(world, ex.query, nodes)
+        for (agents, _, ex), nodes in zip(examples, outputs):
+            episode = system.demonstration(agents, ex.query, nodes)
             for node in episode.nodes:
                 prompt = protocol.render_prompt(self.tokenizer, self.system.specs[node.agent],
                                                 node.query, node.turns)
