@@ -36,7 +36,7 @@ setup(
     extras_require={
         # torch is only the parity reference; pinned so pip takes the local CPU wheel. peft
         # checks that an exported LoRA adapter loads onto its base with the same logits.
-        "test": ["pytest>=8", "torch==2.13.0", "peft==0.21.2"],
+        "test": ["pytest>=8", "pytest-xdist==3.8.0", "torch==2.13.0", "peft==0.21.2"],
     },
     entry_points={"console_scripts": ["joyagents=joyagents_jax.cli:main"]},
 )

@@ -1,8 +1,20 @@
 """Shared test fixtures. Tests run on the CPU in float32 with deterministic seeds."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One persistent compilation cache per session, inherited by the tests' subprocesses: the
+# multi-process job's rerun, the fresh-process determinism checks and the many tests that
+# build the same tiny programs load an executable instead of compiling it again. A loaded
+# executable is the compiled one, so no result changes; set JAX_COMPILATION_CACHE_DIR to keep
+# one across sessions, or to "" to compile everything.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="joyagents_tests_xla_")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 from joyagents_jax import xla_flags  # noqa: E402
 
