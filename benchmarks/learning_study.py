@@ -55,6 +55,8 @@ VARIANTS = {
                   {"grpo.w_grounding": 0.2}),
     "grounding_kall": ("R_G (w_grounding=0.2) and every node group with a reward spread (K=all)",
                        {"grpo.w_grounding": 0.2, "grpo.topk": 0}),
+    "memory_branches": ("the default, node groups also at memory-answered nodes (the stored "
+                        "output beside G - 1 policy samples)", {"grpo.memory_branches": True}),
     "grounding_chars": ("R_G (w_grounding=0.2) with partial credit for near copies",
                         {"grpo.w_grounding": 0.2, "grpo.grounding_match": "chars"}),
 }

@@ -257,7 +257,8 @@ def _grpo(c) -> Iterator[str]:
                             why="rollouts sample; evaluation is greedy anyway"),
                     _number(c, "grpo.top_p", low=0, high=1, low_open=True),
                     _number(c, "grpo.top_k", low=0, integer=True, why="0 = no top-k cut"),
-                    _flag(c, "grpo.tempered_loss"), _choice(c, "grpo.memory_groups", MEMORY_GROUPS),
+                    _flag(c, "grpo.tempered_loss"), _flag(c, "grpo.memory_branches"),
+                    _choice(c, "grpo.memory_groups", MEMORY_GROUPS),
                     _choice(c, "grpo.query_order", QUERY_ORDERS),
                     _number(c, "grpo.w_format", low=0), _number(c, "grpo.w_efficiency", low=0),
                     _number(c, "grpo.w_grounding", low=0, why="0 leaves R_G out"),
@@ -268,6 +269,14 @@ def _grpo(c) -> Iterator[str]:
     if g.memory_groups == "drop" and g.mode == "full_tree":
         yield ("config.grpo.memory_groups=drop: full_tree rollouts do not mark memory-answered "
                "episodes; use grpo.mode=nodewise or trajectory, or memory_groups=keep.")
+    if g.memory_branches is True and g.mode != "nodewise":
+        yield (f"config.grpo.memory_branches=True: branching at memory-answered nodes is a "
+               f"node-wise rollout's; grpo.mode is {g.mode!r}. Use grpo.mode=nodewise or "
+               f"memory_branches=False.")
+    if g.memory_branches is True and not (c.memory.enabled and c.memory.in_rollouts):
+        yield ("config.grpo.memory_branches=True: no rollout node is memory-answered with "
+               "memory.enabled=False or memory.in_rollouts=False, so it would change nothing; "
+               "turn the memory on in rollouts or set memory_branches=False.")
     mb = g.micro_batch
     if isinstance(mb, int) and mb > 0 and mb & (mb - 1):
         yield (f"config.grpo.micro_batch={mb}: must be a power of two (rows per agent in one "

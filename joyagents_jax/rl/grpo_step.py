@@ -64,6 +64,7 @@ class Rollouts:
     mask: jax.Array  # [A, B, T] bool: real tokens; RoPE positions are cumsum(mask) - 1
     loss_mask: jax.Array  # [A, B, T] bool: tokens this agent generated
     sampler_logp: jax.Array  # [A, B, T] f32: the sampler's log-prob of each generated token
+    # (NaN for an output the memory supplied: only the log-prob gap metric reads it)
     rewards: jax.Array  # [A, B] f32
     group_ids: jax.Array  # [A, B] int32: node group in [0, G); -1 marks a padding sample
 
@@ -328,9 +329,11 @@ def grpo_step(state: ts.TrainState, batch: GRPOBatch, cfg: GRPOStepConfig
     (groups, logp_old), (inner, oks) = jax.lax.scan(body, (state.groups, logp_old), first)
     ok = jnp.all(oks)
     for name in state.groups:
-        gap = jnp.abs(batch.rollouts[name].sampler_logp[..., 1:] - logp_old[name])
+        sampled = jnp.isfinite(batch.rollouts[name].sampler_logp[..., 1:])  # NaN: memory's
+        gap = jnp.abs(jnp.where(sampled, batch.rollouts[name].sampler_logp[..., 1:], 0.0)
+                      - logp_old[name])
         agents[name] = {**_reduce_inner(inner[name]), **agents[name],
-                        "logprob_gap": jax.vmap(_masked_mean)(gap, targets[name])}
+                        "logprob_gap": jax.vmap(_masked_mean)(gap, targets[name] & sampled)}
     new = ts.commit(state, groups, ok)
     metrics = {"kept_groups": jnp.sum(kept), "mixed_groups": jnp.sum(var > 0),
                "updated_agents": jnp.sum(update), "skipped": new.skipped > state.skipped,

@@ -179,13 +179,14 @@ def update(ctx: Context, tables: Mapping[str, mem.MemoryTable],
     """The step's new tables (the old ones are donated) and memory metrics.
 
     Candidates are the rollout's LLM-generated samples, hit records its reuses. Thresholds come
-    from the R_A + R_F of all the rollout's samples, every agent together; a rollout without
+    from the R_A + R_F of all the rollout's generated samples, every agent together; a rollout without
     samples (all answered from memory) only counts its reuses. Rates count this rollout's
     lookups.
     """
     tables, totals = dict(tables), collections.Counter()
-    rewards = np.array([s.memory_reward for s in result.samples] or [0.0], np.float32)
-    th = mem.thresholds(jnp.asarray(rewards), jnp.asarray(bool(result.samples)).repeat(
+    generated = [s for s in result.samples if not s.from_memory]
+    rewards = np.array([s.memory_reward for s in generated] or [0.0], np.float32)
+    th = mem.thresholds(jnp.asarray(rewards), jnp.asarray(bool(generated)).repeat(
         len(rewards)), ctx.cfg)  # no samples: inactive, nothing is written or deleted
     members, hits = _members(ctx, result), _hits(ctx, result)
     for group, stacked in tables.items():
@@ -220,7 +221,7 @@ def _members(ctx: Context, result: rollout.RolloutResult) -> dict[tuple[str, int
         for node_input, node in zip(trace.inputs, trace.episode.nodes):
             nodes.setdefault(tuple(node_input.prompt_ids), node)
     members = collections.defaultdict(list)
-    for sample in result.samples:
+    for sample in (s for s in result.samples if not s.from_memory):
         node = nodes.get(tuple(sample.prompt_ids))
         if node is not None:
             members[ctx.slots[sample.agent]].append((node, sample))

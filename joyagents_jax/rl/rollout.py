@@ -37,8 +37,13 @@ class RolloutConfig:
     mode: Mode = "nodewise"
     group_size: int = 4  # G_i of every node (nodewise, full_tree); episodes per query (trajectory)
     rewards: rw.RewardConfig = rw.RewardConfig()
+    # nodewise: also branch at the nodes of tau0 the memory answered; the stored output is one
+    # member of the node group (`Sample.from_memory`), the policy draws the other G - 1.
+    memory_branches: bool = False
 
     def __post_init__(self):
+        if self.memory_branches and self.mode != "nodewise":
+            raise ValueError(f"rollout.memory_branches needs mode nodewise, got {self.mode!r}.")
         if self.mode not in ("nodewise", "trajectory", "full_tree"):
             raise ValueError(f"rollout.mode must be nodewise, trajectory or full_tree, got "
                              f"{self.mode!r}.")
@@ -120,6 +125,9 @@ class Sample(NamedTuple):
     # The memory took part: an episode of its node group (trajectory: its episode) holds a
     # memory-answered node, before the branch point (the context) or after it (the reward).
     uses_memory: bool = False
+    # The output is the memory's, not sampled (memory_branches): an off-policy member whose
+    # sampler_logp is NaN; the memory does not store it again.
+    from_memory: bool = False
 
 
 @dataclasses.dataclass
@@ -269,7 +277,7 @@ class Rollout:
         tau0 = [Trace(Episode(self.system, t.query)) for t in tasks]
         self._complete(tau0, counters)
         points = [(q, i) for q, t in enumerate(tau0) for i, n in enumerate(t.episode.nodes)
-                  if not n.from_memory]
+                  if self.cfg.memory_branches or not n.from_memory]
         g = self.cfg.group_size
         alternatives = self._sample([tau0[q].inputs[i] for q, i in points], g - 1, counters)
         children = []
@@ -361,8 +369,11 @@ class Rollout:
     def _sample_of(self, trace: Trace, node: int, parts: rw.RewardParts | None, group: int,
                    query: int) -> Sample:
         node_input, gen = trace.inputs[node], trace.gens[node]
+        from_memory = trace.episode.nodes[node].from_memory
         return Sample(agent=node_input.agent, prompt_ids=node_input.prompt_ids,
-                      output_ids=gen.tokens, sampler_logp=gen.logp,
+                      output_ids=gen.tokens, from_memory=from_memory,
+                      sampler_logp=np.full(len(gen.tokens), np.nan, np.float32) if from_memory
+                      else gen.logp,
                       reward=0.0 if parts is None else float(parts.total),
                       memory_reward=0.0 if parts is None else float(parts.memory_reward),
                       group=group, query=query, node=node)

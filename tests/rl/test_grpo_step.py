@@ -180,6 +180,24 @@ def test_step_updates_exactly_the_selected_agents(state, step):
                 assert not np.array_equal(old[row], new[row]), name
 
 
+def test_memory_outputs_nan_sampler_logprobs_train_alike_and_leave_the_gap(step):
+    """A memory-supplied output (memory_branches) has NaN sampler log-probs: the step's update
+    is bit for bit the one with finite ones (the loss never reads them), and the log-prob gap
+    averages the sampled tokens only."""
+    plain, memory = _batch(), _batch()
+    subs = memory.rollouts["subs"]
+    nan_row = subs.sampler_logp.at[1, 0].set(jnp.nan)  # agent 2's first sample: from memory
+    memory = memory.replace(rollouts={**memory.rollouts, "subs": subs.replace(sampler_logp=nan_row)})
+    new_plain, m_plain = step(_fresh_state(), plain)
+    new_memory, m_memory = step(_fresh_state(), memory)
+    assert not bool(m_memory["skipped"])
+    for a, b in zip(jax.tree.leaves(new_plain.groups), jax.tree.leaves(new_memory.groups)):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    gap = np.asarray(m_memory["agents"]["subs"]["logprob_gap"])
+    assert np.all(np.isfinite(gap))
+    np.testing.assert_allclose(gap, np.log(32), rtol=0.02)
+
+
 @pytest.mark.parametrize("aggregation", ["seq_mean_token_mean", "token_mean"])
 def test_micro_batches_accumulate_to_the_full_batch_step(aggregation):
     loss = grpo.GRPOConfig(aggregation=aggregation)

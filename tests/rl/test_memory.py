@@ -352,3 +352,14 @@ def test_repeated_rewarded_query_is_answered_from_memory(monkeypatch):
     assert hint == protocol.Hint(good.query[:32], first.episodes[0].episode.nodes[0].output)
     # A view searches a prompt once: repeats, in one wave or a later one, reuse that answer.
     assert hinting.lookup([request, request]) == [hint, hint] and searched == [1]
+
+    # memory_branches: the stored outputs join node groups as members, but are not stored
+    # again (candidates and thresholds are the generated samples only).
+    branched = rollout.Rollout(
+        sys_, TOK, ScriptedPolicy(script), rollout.RolloutConfig("nodewise", 2, memory_branches=True),
+        memory_hook.MemoryView(ctx, tables, models)).run([task(good)])
+    reused = [s for s in branched.samples if s.from_memory]
+    assert len(reused) == sum(n.from_memory for n in branched.episodes[0].episode.nodes) >= 1
+    members = memory_hook._members(ctx, branched)
+    assert sum(map(len, members.values())) == len(branched.samples) - len(reused)
+    assert not any(s.from_memory for found in members.values() for _, s in found)

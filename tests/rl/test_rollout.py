@@ -152,6 +152,37 @@ def test_samples_of_episodes_with_a_memory_answer_are_marked(examples, sys_, mod
     assert alone.samples and not any(s.uses_memory for s in alone.samples)
 
 
+def test_memory_branches_group_the_stored_output_with_policy_samples(examples, sys_):
+    """memory_branches: a memory-answered node forms a node group too, the memory's output
+    (member 0, NaN sampler log-probs) beside G - 1 policy samples, which here answer wrongly,
+    so the group has the reward spread that moves the policy toward the stored answer."""
+    ex = examples["math"]
+    gold = gold_script([ex])
+
+    def script(node_input, j, group_size):
+        if node_input.agent == "math" and group_size > 1:
+            return "<answer>wrong</answer>"
+        return gold(node_input, j, group_size)
+    g = 3
+    cfg = rollout.RolloutConfig("nodewise", g, memory_branches=True)
+    result = rollout.Rollout(sys_, TOK, ScriptedPolicy(script), cfg,
+                             MathMemory(gold, sys_)).run([_task(ex)])
+    nodes = result.episodes[0].episode.nodes
+    memory_at = [i for i, n in enumerate(nodes) if n.from_memory]
+    assert memory_at and result.counters.alternatives == g * len(nodes)
+    for i in memory_at:
+        members = [s for s in result.samples if s.node == i]
+        assert len(members) == g and {s.agent for s in members} == {"math"}
+        assert [s.from_memory for s in members] == [True] + [False] * (g - 1)
+        assert np.isnan(members[0].sampler_logp).all()
+        assert all(np.isfinite(s.sampler_logp).all() for s in members[1:])
+        assert members[0].reward > max(s.reward for s in members[1:])
+    assert not any(s.from_memory for s in result.samples if s.node not in memory_at)
+    without = rollout.Rollout(sys_, TOK, ScriptedPolicy(script), rollout.RolloutConfig(
+        "nodewise", g), MathMemory(gold, sys_)).run([_task(ex)])
+    assert {s.node for s in without.samples}.isdisjoint(memory_at)
+
+
 def test_full_tree_counts_the_product(examples, sys_):
     ex = examples["qa"]  # 4 LLM nodes
     g = 2
@@ -200,6 +231,8 @@ def test_config_errors():
         rollout.RolloutConfig("beam")
     with pytest.raises(ValueError, match="group_size must be >= 2"):
         rollout.RolloutConfig("nodewise", 1)
+    with pytest.raises(ValueError, match="memory_branches needs mode nodewise"):
+        rollout.RolloutConfig("trajectory", 2, memory_branches=True)
 
 
 TINY_POLICY = qwen2.Qwen2Config(vocab_size=TOK.vocab_size, hidden_size=32, intermediate_size=64,
