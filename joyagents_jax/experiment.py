@@ -425,7 +425,9 @@ class Experiment:
         metrics.update({"grpo/trained_samples": len(trained),
                         "grpo/dropped_too_long": len(samples) - len(fits),
                         "grpo/nonfinite_rewards": len(fits) - len(finite),
-                        "grpo/memory_dropped": len(finite) - len(own)})
+                        "grpo/memory_dropped": len(finite) - len(own),
+                        "grpo/memory_member_groups": len({s.group for s in trained
+                                                          if s.from_memory})})
         return trained
 
     def _update(self, train: ts.TrainState, samples: list[rollout.Sample], metrics: dict

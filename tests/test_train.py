@@ -14,6 +14,7 @@ import pytest
 from joyagents_jax import checkpoint, evaluate, export, metrics, train
 from joyagents_jax import config as config_lib
 from joyagents_jax.data import assistant_suite as suite
+from joyagents_jax.rl import rollout
 
 pytestmark = pytest.mark.slow
 
@@ -413,6 +414,22 @@ def test_question_order_visits_every_distinct_train_question_once_per_epoch(data
     epoch = [t.query for k in range(-(-n // q)) for t in exp.train_tasks(k)][:n]
     assert sorted(epoch) == sorted(distinct)
     assert all(t.query in epoch for t in exp.refill_tasks(0, 1))
+
+
+def test_trainable_counts_informative_groups_that_hold_a_memory_output(data_dir, tmp_path):
+    """grpo/memory_member_groups: node groups with a reward spread whose members include the
+    memory's stored output (grpo.memory_branches); a group that agrees trains nothing."""
+    exp = evaluate.experiment.Experiment(_config(data_dir=data_dir), str(tmp_path / "m"))
+
+    def sample(group, reward, from_memory=False):
+        return rollout.Sample("math", [1, 2], np.array([3], np.int32), np.zeros(1, np.float32),
+                              reward, reward, group, 0, 0, from_memory=from_memory)
+    samples = [sample(0, 1.0, True), sample(0, 0.0), sample(1, 1.0, True), sample(1, 1.0),
+               sample(2, 1.0), sample(2, 0.0)]
+    metrics = {}
+    trained = exp._trainable(samples, metrics)
+    assert {s.group for s in trained} == {0, 2}
+    assert metrics["grpo/memory_member_groups"] == 1
 
 
 def test_extra_worlds_add_demonstrations_replayed_on_their_own_world(data_dir, tmp_path):
