@@ -178,10 +178,10 @@ def update(ctx: Context, tables: Mapping[str, mem.MemoryTable],
            ) -> tuple[dict[str, mem.MemoryTable], dict[str, float]]:
     """The step's new tables (the old ones are donated) and memory metrics.
 
-    Candidates are the rollout's LLM-generated samples, hit records its reuses. Thresholds come
-    from the R_A + R_F of all the rollout's generated samples, every agent together; a rollout without
-    samples (all answered from memory) only counts its reuses. Rates count this rollout's
-    lookups.
+    Candidates are the rollout's LLM-generated samples (not the memory's own outputs in node
+    groups, `Sample.from_memory`), hit records its reuses. Thresholds come from the R_A + R_F of
+    those samples, every agent together; a rollout without them (all answered from memory) only
+    counts its reuses. Rates count this rollout's lookups.
     """
     tables, totals = dict(tables), collections.Counter()
     generated = [s for s in result.samples if not s.from_memory]
