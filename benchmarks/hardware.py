@@ -36,13 +36,21 @@ def matmul_rate(m: int, k: int, n: int, dtype=jnp.float32) -> float:
     return 2 * m * k * n / best_time(jax.jit(jnp.matmul), a, b)
 
 
-def matmul_peak(dtype=jnp.float32, n: int = 2048) -> float:
-    """FLOP/s of a square [n, n] @ [n, n] matmul: the best this backend does on dense math."""
+def _on_cpu() -> bool:
+    return jax.devices()[0].platform == "cpu"
+
+
+def matmul_peak(dtype=jnp.float32, n: int | None = None) -> float:
+    """FLOP/s of a square [n, n] @ [n, n] matmul: the best this backend does on dense math.
+    n defaults to 2048 on a CPU and 8192 on an accelerator (smaller ones leave a GPU idle)."""
+    n = n or (2048 if _on_cpu() else 8192)
     return matmul_rate(n, n, n, dtype)
 
 
-def memory_bandwidth(mbytes: int = 512) -> float:
-    """Bytes/s of a streaming reduction over a buffer far larger than the caches."""
+def memory_bandwidth(mbytes: int | None = None) -> float:
+    """Bytes/s of a streaming reduction over a buffer far larger than the caches (512 MiB on a
+    CPU, 4 GiB on an accelerator, whose caches reach tens of MiB)."""
+    mbytes = mbytes or (512 if _on_cpu() else 4096)
     x = jnp.ones((mbytes << 20) // 4, jnp.float32)
     return x.nbytes / best_time(jax.jit(jnp.sum), x)
 
@@ -67,18 +75,23 @@ def device_name() -> str:
     return f"cpu: {model}, {os.cpu_count()} cores{isa}"
 
 
+def _record_key(r: dict) -> tuple:
+    """What a record measures: model, device, dtype and attention (older records: f32, XLA)."""
+    return r["model"], r["device"], r.get("dtype", "float32"), r.get("attention", "xla")
+
+
 def record_results(path: str, records: list[dict]) -> None:
     """Merges `records` into the JSON list at `path`: a record replaces the one of the same
-    model and device (so runs of separate sizes, and of other hosts, accumulate). Each gets the
-    command and date."""
+    model, device, dtype and attention (so runs of separate sizes, and of other hosts,
+    accumulate). Each gets the command and date."""
     stamp = {"device": device_name(), "command": " ".join(["python"] + sys.argv),
              "date": datetime.date.today().isoformat()}
     records = [{**r, **stamp} for r in records]
-    new = {(r["model"], r["device"]) for r in records}
+    new = {_record_key(r) for r in records}
     old = []
     if os.path.exists(path):
         with open(path) as f:
-            old = [r for r in json.load(f) if (r["model"], r["device"]) not in new]
+            old = [r for r in json.load(f) if _record_key(r) not in new]
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:

@@ -14,6 +14,11 @@ the weights and the KV cache once).
     python benchmarks/sampling.py [--sizes tiny,small-30m] [--prompt-len 64] [--repeats 3]
     python benchmarks/sampling.py --sizes base-120m --repeats 2
     python benchmarks/sampling.py --tunix-venv none      # without tunix (no venv is made)
+    python benchmarks/sampling.py --sizes qwen2.5-0.5b,qwen2.5-1.5b --dtype bfloat16 \
+        --tunix-venv none                                # on a GPU: HF runs there too
+
+`--dtype` sets our weights, KV cache and compute and HF's weights alike; the peak is measured in
+that dtype. On a machine with a GPU, HF generates on it (CUDA) as we do.
 
 Each row is also merged into `benchmarks/results/sampling.json` (one record per model and device).
 """
@@ -50,10 +55,11 @@ def flops_per_token(cfg: qwen2.Qwen2Config, context: float) -> float:
     return 2 * matmul_params + attention
 
 
-def bytes_per_step(cfg: qwen2.Qwen2Config, rows: int, cache_len: int, dtype_bytes: int = 4) -> float:
+def bytes_per_step(cfg: qwen2.Qwen2Config, rows: int, cache_len: int) -> float:
     """Bytes one decode step must stream: every weight once plus every row's KV cache."""
     kv = 2 * cfg.num_layers * rows * cache_len * cfg.num_kv_heads * cfg.head_dim
-    return (qwen2.count_params(cfg) + kv) * dtype_bytes
+    return (qwen2.count_params(cfg) * np.dtype(jnp.dtype(cfg.param_dtype)).itemsize
+            + kv * np.dtype(jnp.dtype(cfg.dtype)).itemsize)
 
 
 def ours(cfg, params, prompts, repeats):
@@ -90,13 +96,16 @@ def tunix(folder, cfg, params, prompts, repeats, venv) -> dict:
             "tunix_version": r["tunix"], "tunix_jax": r["jax"]}
 
 
-def hf(folder, prompts, repeats):
+def hf(folder, prompts, repeats, dtype: str):
+    """HF `generate`'s best time, in `dtype`, on the GPU if torch sees one, else the CPU."""
     import torch
     import transformers
 
     torch.set_num_threads(os.cpu_count())
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
-    ids = torch.tensor(prompts)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=getattr(torch, dtype)).to(device).eval()
+    ids = torch.tensor(prompts, device=device)
     times = []
     for seed in range(repeats + 1):  # the first run warms up
         torch.manual_seed(seed)
@@ -106,6 +115,8 @@ def hf(folder, prompts, repeats):
                                  temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=NEW,
                                  min_new_tokens=NEW, num_return_sequences=GROUP, pad_token_id=0,
                                  eos_token_id=None)
+        if device == "cuda":
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     assert out.shape == (PROMPTS * GROUP, len(prompts[0]) + NEW)
     return min(times[1:])
@@ -124,15 +135,16 @@ def main():
     parser.add_argument("--sizes", default="tiny,small-30m")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--tunix-venv", default=tunix_peer.DEFAULT_VENV,
                         help="virtualenv for google-tunix (made if missing); 'none' skips tunix")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                       "results", "sampling.json"))
     args = parser.parse_args()
 
-    peak = hardware.matmul_peak(jnp.float32)
+    peak = hardware.matmul_peak(jnp.dtype(args.dtype))
     bandwidth = hardware.memory_bandwidth()
-    print(f"# devices {jax.devices()}; f32 matmul peak {peak / 1e9:.1f} GFLOP/s; "
+    print(f"# devices {jax.devices()}; {args.dtype} matmul peak {peak / 1e9:.1f} GFLOP/s; "
           f"bandwidth {bandwidth / 1e9:.1f} GB/s")
     print("| model | params | ours tok/s | HF tok/s | ours / HF | tunix tok/s | ours / tunix "
           "| GFLOP/s | roofline GFLOP/s | % of roofline |")
@@ -140,12 +152,12 @@ def main():
     rng = np.random.default_rng(0)
     tokens = GROUP * PROMPTS * NEW
     for size in args.sizes.split(","):
-        cfg = presets.get_preset(size)
+        cfg = presets.get_preset(size, param_dtype=args.dtype, dtype=args.dtype)
         params = qwen2.init_params(cfg, jax.random.key(0))
         prompts = rng.integers(1, cfg.vocab_size, (PROMPTS, args.prompt_len)).tolist()
         with tempfile.TemporaryDirectory() as folder:
             hf_io.save_params(folder, cfg, params)
-            t_hf = hf(folder, prompts, args.repeats)
+            t_hf = hf(folder, prompts, args.repeats, args.dtype)
             peer = ({"tunix_tok_s": None, "tunix_error": "skipped (--tunix-venv none)"}
                     if args.tunix_venv == "none"
                     else tunix(folder, cfg, params, prompts, args.repeats, args.tunix_venv))
@@ -162,7 +174,7 @@ def main():
             "model": size, "params": qwen2.count_params(cfg), "ours_tok_s": tokens / t_ours,
             "hf_tok_s": tokens / t_hf, "ours_over_hf": t_hf / t_ours, **peer,
             "gflop_s": flops / 1e9, "roofline_gflop_s": roof / 1e9, "roofline_frac": flops / roof,
-            "matmul_peak_gflop_s": peak / 1e9, "prompts": PROMPTS, "group": GROUP,
+            "matmul_peak_gflop_s": peak / 1e9, "dtype": args.dtype, "prompts": PROMPTS, "group": GROUP,
             "prompt_len": args.prompt_len, "new_tokens": NEW}])
 
 

@@ -12,6 +12,12 @@ alone, as its share of the step; the rollout and memory shares of a real step ar
     python benchmarks/train_step.py [--sizes tiny,small-30m] [--agents 5] [--batch 16] [--seq 256]
     python benchmarks/train_step.py --sizes base-120m --agents 1
     python benchmarks/train_step.py --lora-rank 8    # also the step of rank-8 LoRA agents
+    python benchmarks/train_step.py --sizes qwen2.5-0.5b --dtype bfloat16   # on a GPU: MFU
+
+`--dtype` sets the weights, optimizer moments and compute (the Qwen configs' bf16 policy); the
+peak is a square matmul in that dtype on the same device, so on a GPU the ratio is the MFU
+against the chip's measured, not its datasheet, peak. `--attention cudnn` trains with cuDNN
+flash attention (GPU only).
 
 Each row is also merged into `benchmarks/results/train_step.json` (one record per model and device).
 With --lora-rank, the same step also runs with each agent as LoRA adapters (all projections)
@@ -92,18 +98,21 @@ def main():
     parser.add_argument("--inner", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--lora-rank", type=int, default=0)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--attention", default="xla", choices=["xla", "cudnn"])
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                       "results", "train_step.json"))
     args = parser.parse_args()
-    peak = hardware.matmul_peak(jnp.float32)
-    print(f"# devices {jax.devices()}; f32 matmul peak {peak / 1e9:.1f} GFLOP/s")
+    peak = hardware.matmul_peak(jnp.dtype(args.dtype))
+    print(f"# devices {jax.devices()}; {args.dtype} matmul peak {peak / 1e9:.1f} GFLOP/s")
     lora_cols = (f" LoRA r{args.lora_rank} step s | LoRA / full |", "---|---|") \
         if args.lora_rank else ("", "")
     print("| model | params | agents x batch x seq | step s | GFLOP/step | GFLOP/s | % of peak "
           "| reference forward s | share of step |" + lora_cols[0])
     print("|---|---|---|---|---|---|---|---|---|" + lora_cols[1])
     for size in args.sizes.split(","):
-        cfg = presets.get_preset(size)
+        cfg = presets.get_preset(size, param_dtype=args.dtype, dtype=args.dtype,
+                                 attention_impl=args.attention)
         group = ts.init_random_group(cfg, ts.OptimConfig(learning_rate=1e-4), args.agents,
                                      jax.random.key(0))
         state = ts.create({"all": group})
@@ -126,7 +135,8 @@ def main():
             "model": size, "params": qwen2.count_params(cfg), "agents": args.agents,
             "batch": args.batch, "seq": args.seq, "inner_steps": args.inner, "step_s": t,
             "gflop_per_step": flops / 1e9, "gflop_s": flops / t / 1e9, "peak_frac": flops / t / peak,
-            "matmul_peak_gflop_s": peak / 1e9, "reference_forward_s": t_ref,
+            "matmul_peak_gflop_s": peak / 1e9, "dtype": args.dtype, "attention": args.attention,
+            "reference_forward_s": t_ref,
             "lora_step_s": t_lora if args.lora_rank else None}])
 
 
