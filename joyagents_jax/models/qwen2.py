@@ -284,6 +284,21 @@ def _dense(x: jax.Array, p: Params, spec: str, dtype) -> jax.Array:
     return y + lora.low_rank(x, p, spec, dtype) if "lora_a" in p else y
 
 
+def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array,
+                    implementation: str = "cudnn") -> jax.Array:
+    """q [B, T, N, Hd], k/v [B, T, K, Hd], allowed [B, T, T] -> [B, T, N, Hd] through cuDNN
+    flash attention, in the form JAX's cuDNN path accepts when agents are vmapped and trained:
+    the mask spans every head (its batching rule reshapes it to [B, N, T, T]), and an odd T gets
+    one padding token (cuDNN trains with a mask on even lengths only) that attends to itself
+    and is dropped. `implementation="xla"` runs the same padding on any backend (tests)."""
+    b, t, n, _ = q.shape
+    if t % 2:
+        q, k, v = (jnp.pad(x, ((0, 0), (0, 1), (0, 0), (0, 0))) for x in (q, k, v))
+        allowed = jnp.pad(allowed, ((0, 0), (0, 1), (0, 1))).at[:, t, t].set(True)
+    mask = jnp.broadcast_to(allowed[:, None], (b, n) + allowed.shape[1:])
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=implementation)[:, :t]
+
+
 def decoder_layer(cfg: Qwen2Config, p: Params, x: jax.Array, rope, allowed: jax.Array,
                   past: Sequence[tuple[jax.Array, jax.Array, jax.Array]] = ()):
     """One pre-norm block. x [B, T, D], allowed [B, T, T] among the new tokens.
@@ -301,9 +316,10 @@ def decoder_layer(cfg: Qwen2Config, p: Params, x: jax.Array, rope, allowed: jax.
     if past:
         segments = [(k.transpose(0, 2, 1, 3), v.transpose(0, 2, 3, 1), allowed)]
         out = attention(q, segments + [(pk.astype(dt), pv.astype(dt), m) for pk, pv, m in past])
+    elif cfg.attention_impl == "cudnn":
+        out = cudnn_attention(q, k, v, allowed)
     else:
-        out = jax.nn.dot_product_attention(q, k, v, mask=allowed[:, None],
-                                           implementation=cfg.attention_impl)
+        out = jax.nn.dot_product_attention(q, k, v, mask=allowed[:, None], implementation="xla")
     x = x + _dense(out, a["o"], "btnh,nhd->btd", dt)
     h = rms_norm(x, p["post_attn_norm"]["scale"], cfg.rms_norm_eps)
     m = p["mlp"]

@@ -139,6 +139,42 @@ def test_shared_segment_attention_equals_repeated_rows():
     np.testing.assert_allclose(shared, repeated, atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("t", [6, 7])
+def test_cudnn_attention_form_equals_plain_attention(t):
+    """The cuDNN form (mask over every head, odd T padded by one self-attending token) gives
+    plain attention's output; run with XLA so the CPU checks it."""
+    ks = jax.random.split(jax.random.key(0), 3)
+    b, n, kh, hd = 2, 4, 2, 8
+    q = jax.random.normal(ks[0], (b, t, n, hd))
+    k, v = (jax.random.normal(key, (b, t, kh, hd)) for key in ks[1:])
+    mask = jnp.arange(t)[None] >= jnp.array([[0], [2]])  # row 1 left-padded by 2
+    allowed = mask[:, None, :] & jnp.tril(jnp.ones((t, t), bool))[None]
+    allowed = allowed | jnp.eye(t, dtype=bool)[None]  # padded queries attend to themselves
+    plain = jax.nn.dot_product_attention(q, k, v, mask=allowed[:, None])
+    out = qwen2.cudnn_attention(q, k, v, allowed, implementation="xla")
+    chex.assert_shape(out, (b, t, n, hd))
+    np.testing.assert_allclose(out, plain, atol=1e-6, rtol=0)
+
+
+def test_cudnn_training_traces_with_vmapped_agents(monkeypatch):
+    """The GRPO step's shape: agents vmapped, odd T (next-token logits drop the last token),
+    gradients. Tracing runs JAX's cuDNN batching rule and shape checks, which raised on the
+    mask's head axis of 1 and on the odd length (seen on an H200); the CPU has no cuDNN, so
+    its version and compute-capability probes are stubbed and only shapes are computed."""
+    fused = pytest.importorskip("jax._src.cudnn.fused_attention_stablehlo")
+    monkeypatch.setattr(fused, "check_cudnn_version", lambda *a, **k: 91000)
+    monkeypatch.setattr(fused, "check_compute_capability", lambda *a, **k: True)
+    cfg = qwen2.Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2,
+                            num_heads=4, num_kv_heads=2, param_dtype="bfloat16",
+                            dtype="bfloat16", attention_impl="cudnn")
+    params = jax.vmap(lambda key: qwen2.init_params(cfg, key))(jax.random.split(jax.random.key(0), 3))
+    tokens, mask = jnp.zeros((3, 4, 15), jnp.int32), jnp.ones((3, 4, 15), bool)
+    loss = lambda p: jax.vmap(lambda p, x, m: qwen2.forward(cfg, p, x, mask=m).logits)(
+        p, tokens, mask).sum()
+    grads = jax.eval_shape(jax.grad(loss), params)
+    chex.assert_trees_all_equal_shapes_and_dtypes(grads, jax.eval_shape(lambda: params))
+
+
 def test_bf16_compute_close_to_f32():
     cfg = qwen2.Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2,
                             num_heads=4, num_kv_heads=2)
