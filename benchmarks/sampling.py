@@ -43,7 +43,7 @@ import tunix_peer  # noqa: E402
 from joyagents_jax.models import hf_io, presets, qwen2  # noqa: E402
 from joyagents_jax.sampling import Sampler, SamplingConfig  # noqa: E402
 
-PROMPTS, GROUP, NEW = 8, 8, 128
+GROUP, NEW = 8, 128
 
 
 def flops_per_token(cfg: qwen2.Qwen2Config, context: float) -> float:
@@ -118,7 +118,7 @@ def hf(folder, prompts, repeats, dtype: str):
         if device == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    assert out.shape == (PROMPTS * GROUP, len(prompts[0]) + NEW)
+    assert out.shape == (len(prompts) * GROUP, len(prompts[0]) + NEW)
     return min(times[1:])
 
 
@@ -133,6 +133,7 @@ def _ratio(ours_tok_s, peer_tok_s) -> str:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="tiny,small-30m")
+    parser.add_argument("--prompts", type=int, default=8, help="prompts per call (x G = 8 rows)")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -150,11 +151,12 @@ def main():
           "| GFLOP/s | roofline GFLOP/s | % of roofline |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     rng = np.random.default_rng(0)
-    tokens = GROUP * PROMPTS * NEW
+    rows = GROUP * args.prompts
+    tokens = rows * NEW
     for size in args.sizes.split(","):
         cfg = presets.get_preset(size, param_dtype=args.dtype, dtype=args.dtype)
         params = qwen2.init_params(cfg, jax.random.key(0))
-        prompts = rng.integers(1, cfg.vocab_size, (PROMPTS, args.prompt_len)).tolist()
+        prompts = rng.integers(1, cfg.vocab_size, (args.prompts, args.prompt_len)).tolist()
         with tempfile.TemporaryDirectory() as folder:
             hf_io.save_params(folder, cfg, params)
             t_hf = hf(folder, prompts, args.repeats, args.dtype)
@@ -164,7 +166,7 @@ def main():
         t_ours = ours(cfg, params, prompts, args.repeats)
         flops = flops_per_token(cfg, args.prompt_len + NEW / 2) * tokens / t_ours
         cache_len = 16 * -(-args.prompt_len // 16) + NEW
-        bw_bound = bandwidth / bytes_per_step(cfg, GROUP * PROMPTS, cache_len) * GROUP * PROMPTS
+        bw_bound = bandwidth / bytes_per_step(cfg, rows, cache_len) * rows
         roof = min(peak, bw_bound * flops_per_token(cfg, args.prompt_len + NEW / 2))
         print(f"| {size} | {qwen2.count_params(cfg) / 1e6:.2f}M | {tokens / t_ours:,.0f} | "
               f"{tokens / t_hf:,.0f} | {t_hf / t_ours:.1f}x | {_tok_s(peer['tunix_tok_s'])} | "
@@ -174,7 +176,7 @@ def main():
             "model": size, "params": qwen2.count_params(cfg), "ours_tok_s": tokens / t_ours,
             "hf_tok_s": tokens / t_hf, "ours_over_hf": t_hf / t_ours, **peer,
             "gflop_s": flops / 1e9, "roofline_gflop_s": roof / 1e9, "roofline_frac": flops / roof,
-            "matmul_peak_gflop_s": peak / 1e9, "dtype": args.dtype, "prompts": PROMPTS, "group": GROUP,
+            "matmul_peak_gflop_s": peak / 1e9, "dtype": args.dtype, "prompts": args.prompts, "group": GROUP,
             "prompt_len": args.prompt_len, "new_tokens": NEW}])
 
 

@@ -100,6 +100,8 @@ def main():
     parser.add_argument("--lora-rank", type=int, default=0)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--attention", default="xla", choices=["xla", "cudnn"])
+    parser.add_argument("--remat", action="store_true", help="rematerialize each layer (the "
+                        "Qwen configs' setting); MFU still counts model FLOPs only")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                       "results", "train_step.json"))
     args = parser.parse_args()
@@ -112,7 +114,7 @@ def main():
     print("|---|---|---|---|---|---|---|---|---|" + lora_cols[1])
     for size in args.sizes.split(","):
         cfg = presets.get_preset(size, param_dtype=args.dtype, dtype=args.dtype,
-                                 attention_impl=args.attention)
+                                 attention_impl=args.attention, remat=args.remat)
         group = ts.init_random_group(cfg, ts.OptimConfig(learning_rate=1e-4), args.agents,
                                      jax.random.key(0))
         state = ts.create({"all": group})
@@ -135,7 +137,7 @@ def main():
             "model": size, "params": qwen2.count_params(cfg), "agents": args.agents,
             "batch": args.batch, "seq": args.seq, "inner_steps": args.inner, "step_s": t,
             "gflop_per_step": flops / 1e9, "gflop_s": flops / t / 1e9, "peak_frac": flops / t / peak,
-            "matmul_peak_gflop_s": peak / 1e9, "dtype": args.dtype, "attention": args.attention,
+            "matmul_peak_gflop_s": peak / 1e9, "dtype": args.dtype, "attention": args.attention, "remat": args.remat,
             "reference_forward_s": t_ref,
             "lora_step_s": t_lora if args.lora_rank else None}])
 
