@@ -20,7 +20,8 @@ the weights and the KV cache once).
 `--dtype` sets our weights, KV cache and compute and HF's weights alike; the peak is measured in
 that dtype. On a machine with a GPU, HF generates on it (CUDA) as we do.
 
-Each row is also merged into `benchmarks/results/sampling.json` (one record per model and device).
+Each row is also merged into `benchmarks/results/sampling.json` (one record per model,
+device and dtype).
 """
 
 from __future__ import annotations
@@ -176,7 +177,8 @@ def main():
             "model": size, "params": qwen2.count_params(cfg), "ours_tok_s": tokens / t_ours,
             "hf_tok_s": tokens / t_hf, "ours_over_hf": t_hf / t_ours, **peer,
             "gflop_s": flops / 1e9, "roofline_gflop_s": roof / 1e9, "roofline_frac": flops / roof,
-            "matmul_peak_gflop_s": peak / 1e9, "dtype": args.dtype, "prompts": args.prompts, "group": GROUP,
+            "matmul_peak_gflop_s": peak / 1e9, "dtype": args.dtype, "prompts": args.prompts,
+            "group": GROUP,
             "prompt_len": args.prompt_len, "new_tokens": NEW}])
 
 

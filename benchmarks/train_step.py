@@ -19,7 +19,8 @@ peak is a square matmul in that dtype on the same device, so on a GPU the ratio 
 against the chip's measured, not its datasheet, peak. `--attention cudnn` trains with cuDNN
 flash attention (GPU only).
 
-Each row is also merged into `benchmarks/results/train_step.json` (one record per model and device).
+Each row is also merged into `benchmarks/results/train_step.json` (one record per model,
+device, dtype and attention).
 With --lora-rank, the same step also runs with each agent as LoRA adapters (all projections)
 over one shared frozen base, on the same batch: its time and its ratio to full fine-tuning.
 """
@@ -137,8 +138,8 @@ def main():
             "model": size, "params": qwen2.count_params(cfg), "agents": args.agents,
             "batch": args.batch, "seq": args.seq, "inner_steps": args.inner, "step_s": t,
             "gflop_per_step": flops / 1e9, "gflop_s": flops / t / 1e9, "peak_frac": flops / t / peak,
-            "matmul_peak_gflop_s": peak / 1e9, "dtype": args.dtype, "attention": args.attention, "remat": args.remat,
-            "reference_forward_s": t_ref,
+            "matmul_peak_gflop_s": peak / 1e9, "dtype": args.dtype, "attention": args.attention,
+            "remat": args.remat, "reference_forward_s": t_ref,
             "lora_step_s": t_lora if args.lora_rank else None}])
 
 

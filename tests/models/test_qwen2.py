@@ -167,7 +167,8 @@ def test_cudnn_training_traces_with_vmapped_agents(monkeypatch):
     cfg = qwen2.Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2,
                             num_heads=4, num_kv_heads=2, param_dtype="bfloat16",
                             dtype="bfloat16", attention_impl="cudnn")
-    params = jax.vmap(lambda key: qwen2.init_params(cfg, key))(jax.random.split(jax.random.key(0), 3))
+    keys = jax.random.split(jax.random.key(0), 3)
+    params = jax.vmap(lambda key: qwen2.init_params(cfg, key))(keys)
     tokens, mask = jnp.zeros((3, 4, 15), jnp.int32), jnp.ones((3, 4, 15), bool)
     loss = lambda p: jax.vmap(lambda p, x, m: qwen2.forward(cfg, p, x, mask=m).logits)(
         p, tokens, mask).sum()
