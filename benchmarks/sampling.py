@@ -178,8 +178,7 @@ def main():
             "hf_tok_s": tokens / t_hf, "ours_over_hf": t_hf / t_ours, **peer,
             "gflop_s": flops / 1e9, "roofline_gflop_s": roof / 1e9, "roofline_frac": flops / roof,
             "matmul_peak_gflop_s": peak / 1e9, "dtype": args.dtype, "prompts": args.prompts,
-            "group": GROUP,
-            "prompt_len": args.prompt_len, "new_tokens": NEW}])
+            "group": GROUP, "prompt_len": args.prompt_len, "new_tokens": NEW}])
 
 
 if __name__ == "__main__":
