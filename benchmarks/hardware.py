@@ -76,23 +76,20 @@ def device_name() -> str:
     return f"cpu: {model}, {os.cpu_count()} cores{isa}"
 
 
-def _record_key(r: dict) -> tuple:
-    """What a record measures: model, device, dtype and attention (older records: f32, XLA)."""
-    return r["model"], r["device"], r.get("dtype", "float32"), r.get("attention", "xla")
-
-
-def record_results(path: str, records: list[dict]) -> None:
+def record_results(path: str, records: list[dict], setting: dict) -> None:
     """Merges `records` into the JSON list at `path`: a record replaces the one of the same
-    model, device, dtype and attention (so runs of separate sizes, and of other hosts,
-    accumulate). Each gets the command and date."""
+    model, device and setting (the fields named in `setting`, which maps each to its value in
+    older records that lack it), so other sizes, hosts and settings accumulate. Each record
+    gets the command and date."""
+    key = lambda r: (r["model"], r["device"], *(r.get(k, v) for k, v in setting.items()))
     stamp = {"device": device_name(), "command": " ".join(["python"] + sys.argv),
              "date": datetime.date.today().isoformat()}
     records = [{**r, **stamp} for r in records]
-    new = {_record_key(r) for r in records}
+    new = {key(r) for r in records}
     old = []
     if os.path.exists(path):
         with open(path) as f:
-            old = [r for r in json.load(f) if _record_key(r) not in new]
+            old = [r for r in json.load(f) if key(r) not in new]
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:

@@ -20,8 +20,8 @@ the weights and the KV cache once).
 `--dtype` sets our weights, KV cache and compute and HF's weights alike; the peak is measured in
 that dtype. On a machine with a GPU, HF generates on it (CUDA) as we do.
 
-Each row is also merged into `benchmarks/results/sampling.json` (one record per model,
-device and dtype).
+Each row is also merged into `benchmarks/results/sampling.json` (one record per model, device,
+dtype, prompts and prompt length).
 """
 
 from __future__ import annotations
@@ -45,6 +45,8 @@ from joyagents_jax.models import hf_io, presets, qwen2  # noqa: E402
 from joyagents_jax.sampling import Sampler, SamplingConfig  # noqa: E402
 
 GROUP, NEW = 8, 128
+# A record's key beside model and device, with the values of older records that lack a field.
+SETTING = {"dtype": "float32", "prompts": 8, "prompt_len": 64}
 
 
 def flops_per_token(cfg: qwen2.Qwen2Config, context: float) -> float:
@@ -178,7 +180,7 @@ def main():
             "hf_tok_s": tokens / t_hf, "ours_over_hf": t_hf / t_ours, **peer,
             "gflop_s": flops / 1e9, "roofline_gflop_s": roof / 1e9, "roofline_frac": flops / roof,
             "matmul_peak_gflop_s": peak / 1e9, "dtype": args.dtype, "prompts": args.prompts,
-            "group": GROUP, "prompt_len": args.prompt_len, "new_tokens": NEW}])
+            "group": GROUP, "prompt_len": args.prompt_len, "new_tokens": NEW}], SETTING)
 
 
 if __name__ == "__main__":

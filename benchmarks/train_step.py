@@ -19,8 +19,8 @@ peak is a square matmul in that dtype on the same device, so on a GPU the ratio 
 against the chip's measured, not its datasheet, peak. `--attention cudnn` trains with cuDNN
 flash attention (GPU only).
 
-Each row is also merged into `benchmarks/results/train_step.json` (one record per model,
-device, dtype and attention).
+Each row is also merged into `benchmarks/results/train_step.json` (one record per model, device
+and setting: agents, batch, seq, inner steps, dtype, attention, remat).
 With --lora-rank, the same step also runs with each agent as LoRA adapters (all projections)
 over one shared frozen base, on the same batch: its time and its ratio to full fine-tuning.
 """
@@ -43,6 +43,11 @@ from joyagents_jax import sft  # noqa: E402
 from joyagents_jax import train_state as ts  # noqa: E402
 from joyagents_jax.models import lora, presets, qwen2  # noqa: E402
 from joyagents_jax.rl import grpo, grpo_step  # noqa: E402
+
+
+# A record's key beside model and device, with the values of older records that lack a field.
+SETTING = {"agents": 5, "batch": 16, "seq": 256, "inner_steps": 2, "dtype": "float32",
+           "attention": "xla", "remat": False}
 
 
 def matmul_params(cfg: qwen2.Qwen2Config) -> int:
@@ -140,7 +145,7 @@ def main():
             "gflop_per_step": flops / 1e9, "gflop_s": flops / t / 1e9, "peak_frac": flops / t / peak,
             "matmul_peak_gflop_s": peak / 1e9, "dtype": args.dtype, "attention": args.attention,
             "remat": args.remat, "reference_forward_s": t_ref,
-            "lora_step_s": t_lora if args.lora_rank else None}])
+            "lora_step_s": t_lora if args.lora_rank else None}], SETTING)
 
 
 def lora_state(cfg: qwen2.Qwen2Config, args) -> ts.TrainState:
