@@ -59,6 +59,10 @@ VARIANTS = {
                         "output beside G - 1 policy samples)", {"grpo.memory_branches": True}),
     "grounding_chars": ("R_G (w_grounding=0.2) with partial credit for near copies",
                         {"grpo.w_grounding": 0.2, "grpo.grounding_match": "chars"}),
+    "no_std": ("the default with Dr. GRPO's advantages (r - group mean, not divided by the std)",
+               {"grpo.advantage": "no_std"}),
+    "neg_0.25": ("the default with negative advantages scaled by 0.25 (leaning on the samples "
+                 "that beat their group)", {"grpo.neg_weight": 0.25}),
 }
 MAIN = ("sft_only", "trajectory", "nodewise_all", "nodewise_topk", "joyagents")
 SPLITS = {"test": 200, "test_novel": 50}

@@ -84,13 +84,16 @@ def get_config() -> ml_collections.ConfigDict:
     # nodes the memory answered, the stored output one member of the node group and G - 1
     # policy samples the others, so GRPO moves the policies toward the rewarded answers the
     # memory holds and their own samples miss (False: memory-answered nodes train nothing).
+    # neg_weight scales negative advantages (1: GRPO; 0: only samples that beat their group's
+    # mean are reinforced, which sharpens the greedy answer the test scores).
     c.grpo = ml_collections.ConfigDict(dict(
         steps=30, queries=12, group_size=4, mode="nodewise", topk=5, select="groups",
         micro_batch=16, inner_steps=2, beta=0.04, eps_low=0.2, eps_high=0.28, kl="k3",
         aggregation="seq_mean_token_mean", advantage="std", learning_rate=1e-5, warmup_steps=0,
         clip_norm=1.0, temperature=0.3, tempered_loss=False, top_p=1.0, top_k=0,
         memory_groups="keep", w_format=0.1, w_efficiency=0.05, w_grounding=0.0, min_groups=0,
-        max_refills=2, query_order="traffic", grounding_match="word", memory_branches=False))
+        max_refills=2, query_order="traffic", grounding_match="word", memory_branches=False,
+        neg_weight=1.0))
 
     # Reuse needs a (near-)identical node input: with mean-pooled embeddings of a tiny model,
     # different prompts of one agent reach cosine 0.9996 (measured). Hints are off by default

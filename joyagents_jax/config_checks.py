@@ -250,6 +250,8 @@ def _grpo(c) -> Iterator[str]:
                     _number(c, "grpo.eps_high", low=0),
                     _choice(c, "grpo.kl", KLS), _choice(c, "grpo.aggregation", AGGREGATIONS),
                     _choice(c, "grpo.advantage", ADVANTAGES),
+                    _number(c, "grpo.neg_weight", low=0,
+                            why="the scale of negative advantages; 1 is GRPO"),
                     _number(c, "grpo.learning_rate", low=0, low_open=True),
                     _number(c, "grpo.warmup_steps", low=0, integer=True),
                     _number(c, "grpo.clip_norm", low=0, low_open=True),

@@ -44,6 +44,8 @@ def test_the_default_and_real_checkpoint_configs_are_valid(tmp_path):
     ({"sft__learning_rate": math.nan}, "config.sft.learning_rate=nan: must be finite"),
     ({"grpo__learning_rate": -1e-5}, "config.grpo.learning_rate=-1e-05: must be > 0"),
     ({"grpo__beta": -1.0}, "config.grpo.beta=-1.0: must be >= 0"),
+    ({"grpo__neg_weight": -0.5},
+     "config.grpo.neg_weight=-0.5: must be >= 0 (the scale of negative advantages; 1 is GRPO)"),
     ({"grpo__eps_low": 2.0}, "config.grpo.eps_low=2.0: must be >= 0 and < 1"),
     ({"grpo__temperature": 0.0}, "config.grpo.temperature=0.0: must be > 0"),
     ({"grpo__top_p": 1.5}, "config.grpo.top_p=1.5: must be > 0 and <= 1"),

@@ -51,6 +51,7 @@ class GRPOStepConfig:
     select: Literal["groups", "agents"] = "groups"
     # "given": rewards already are advantages (trajectory-mode rollouts normalize per episode).
     advantage: Literal["std", "no_std", "loo", "given"] = "std"
+    neg_weight: float = 1.0  # scale of negative advantages (grpo.weight_negatives); 1: GRPO
     # Rows per agent in one forward/backward; gradients accumulate over the batch's
     # micro-batches to exactly the full-batch gradient. None: the whole batch at once.
     micro_batch: int | None = None
@@ -117,14 +118,16 @@ def marginal_benefit(batch: GRPOBatch, num_agents: int, cfg: GRPOStepConfig
 
 
 def advantages(batch: GRPOBatch, cfg: GRPOStepConfig) -> dict[str, jax.Array]:
-    """Group-relative advantage of every sample: {group: [A, B]}."""
+    """Group-relative advantage of every sample, negatives scaled by cfg.neg_weight:
+    {group: [A, B]}."""
     if cfg.advantage == "given":
-        return {n: jnp.where((r.group_ids >= 0) & jnp.isfinite(r.rewards), r.rewards, 0.0)
-                for n, r in batch.rollouts.items()}
+        return {n: grpo.weight_negatives(
+                    jnp.where((r.group_ids >= 0) & jnp.isfinite(r.rewards), r.rewards, 0.0),
+                    cfg.neg_weight) for n, r in batch.rollouts.items()}
     adv = grpo.group_advantages(_flat(batch.rollouts, "rewards"),
                                 _flat(batch.rollouts, "group_ids"),
                                 batch.group_agent.shape[0], mode=cfg.advantage)
-    return _unflat(adv, batch.rollouts)
+    return _unflat(grpo.weight_negatives(adv, cfg.neg_weight), batch.rollouts)
 
 
 # ----------------------------------------------------------------------------------------------

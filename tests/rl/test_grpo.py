@@ -79,6 +79,14 @@ def test_group_advantages_vmaps_over_agents():
     np.testing.assert_allclose(got, [[0.5, -0.5, 0.0, 0.0], [0.0, 0.0, -1.0, 1.0]])
 
 
+@pytest.mark.parametrize("neg_weight", [0.0, 0.25, 1.0, 2.0])
+def test_weight_negatives_scales_only_negative_advantages(neg_weight):
+    adv = jnp.array([[1.5, -0.5, 0.0], [-2.0, 0.25, -0.0]])
+    got = jax.jit(grpo.weight_negatives)(adv, neg_weight)
+    chex.assert_shape(got, adv.shape)
+    np.testing.assert_allclose(got, [[1.5, -0.5 * neg_weight, 0.0], [-2.0 * neg_weight, 0.25, 0.0]])
+
+
 # ---------------------------------------------------------------- logits -> per-token values
 
 

@@ -107,6 +107,19 @@ def test_advantages_are_per_node_group():
                                              [-0.25, 0.25, 0, 0]])
 
 
+@pytest.mark.parametrize("advantage", ["std", "given"])
+def test_neg_weight_scales_the_negative_advantages(advantage):
+    batch = _batch()  # "given" takes rewards as advantages: center them so some are negative
+    batch = batch.replace(rollouts={n: r.replace(rewards=r.rewards - 1.0)
+                                    for n, r in batch.rollouts.items()})
+    full = gs.advantages(batch, gs.GRPOStepConfig(advantage=advantage))
+    half = gs.advantages(batch, gs.GRPOStepConfig(advantage=advantage, neg_weight=0.5))
+    assert any(np.any(np.asarray(a) < 0) for a in full.values())
+    for name in full:
+        want = np.where(full[name] < 0, 0.5 * np.asarray(full[name]), full[name])
+        np.testing.assert_allclose(half[name], want)
+
+
 # ----------------------------------------------------------------------------------------------
 # The step.
 # ----------------------------------------------------------------------------------------------
