@@ -80,6 +80,7 @@ class _IdTokenizer:
 
 def _worker(args) -> None:
     import jax
+    import jax.numpy as jnp
     import numpy as np
     from tunix.generate import sampler as sampler_lib
     from tunix.models.qwen2 import model as model_lib
@@ -88,14 +89,16 @@ def _worker(args) -> None:
     with open(os.path.join(args.folder, "config.json")) as f:
         hf = json.load(f)
     theta = hf.get("rope_theta") or hf["rope_parameters"]["rope_theta"]
+    dtype = jnp.bfloat16 if hf.get("dtype", hf.get("torch_dtype")) == "bfloat16" else jnp.float32
     cfg = model_lib.ModelConfig(
         num_layers=hf["num_hidden_layers"], vocab_size=hf["vocab_size"],
         embed_dim=hf["hidden_size"], hidden_dim=hf["intermediate_size"],
         num_heads=hf["num_attention_heads"],
         head_dim=hf["hidden_size"] // hf["num_attention_heads"],
         num_kv_heads=hf["num_key_value_heads"], rope_theta=int(theta),
-        norm_eps=hf["rms_norm_eps"], use_tied_embedding=hf["tie_word_embeddings"])
-    model = params_lib.create_model_from_safe_tensors(args.folder, cfg)
+        norm_eps=hf["rms_norm_eps"], use_tied_embedding=hf["tie_word_embeddings"],
+        dtype=dtype, param_dtype=dtype)  # compute and KV cache in the exported dtype, as ours
+    model = params_lib.create_model_from_safe_tensors(args.folder, cfg, dtype=dtype)
     with open(args.prompts) as f:
         prompts = json.load(f)
     prompt_len = max(map(len, prompts))
