@@ -59,7 +59,8 @@ def group_advantages(
 def weight_negatives(adv: jax.Array, neg_weight: float) -> jax.Array:  # [N] -> [N]
     """Negative advantages scaled by `neg_weight`: 1 is GRPO; below 1 the update leans on the
     samples that beat their group (0: only those are reinforced, as in rejection-sampling
-    fine-tuning), which sharpens the greedy answer; above 1 it leans on pushing failures down."""
+    fine-tuning), meant to sharpen the greedy answer; above 1 it leans on pushing failures
+    down."""
     return jnp.where(adv < 0, neg_weight * adv, adv)
 
 
