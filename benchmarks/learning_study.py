@@ -57,6 +57,9 @@ VARIANTS = {
                        {"grpo.w_grounding": 0.2, "grpo.topk": 0}),
     "memory_branches": ("the default, node groups also at memory-answered nodes (the stored "
                         "output beside G - 1 policy samples)", {"grpo.memory_branches": True}),
+    "gold_branches": ("the default, the gold output a member of node groups where a rollout "
+                      "leaves the gold trajectory (off-policy guidance)",
+                      {"grpo.gold_branches": True}),
     "grounding_chars": ("R_G (w_grounding=0.2) with partial credit for near copies",
                         {"grpo.w_grounding": 0.2, "grpo.grounding_match": "chars"}),
     "no_std": ("the default with Dr. GRPO's advantages (r - group mean, not divided by the std)",

@@ -86,7 +86,10 @@ def get_config() -> ml_collections.ConfigDict:
     # memory holds and their own samples miss (False: memory-answered nodes train nothing).
     # neg_weight scales negative advantages (1: GRPO; 0: only samples that beat their group's
     # mean are reinforced). 0.25 moved the policies alone less than 1 on 3 seeds (+0.7 against
-    # +2.3 points; benchmarks/RESULTS.md, "down-weighted negatives").
+    # +2.3 points; benchmarks/RESULTS.md, "down-weighted negatives"). gold_branches: where a
+    # rollout leaves its train query's gold trajectory at a node, the gold output joins that
+    # node group as one more member (off-policy guidance, as LUFFY), so GRPO sees the answer the
+    # samples miss (False: policy samples only).
     c.grpo = ml_collections.ConfigDict(dict(
         steps=30, queries=12, group_size=4, mode="nodewise", topk=5, select="groups",
         micro_batch=16, inner_steps=2, beta=0.04, eps_low=0.2, eps_high=0.28, kl="k3",
@@ -94,7 +97,7 @@ def get_config() -> ml_collections.ConfigDict:
         clip_norm=1.0, temperature=0.3, tempered_loss=False, top_p=1.0, top_k=0,
         memory_groups="keep", w_format=0.1, w_efficiency=0.05, w_grounding=0.0, min_groups=0,
         max_refills=2, query_order="traffic", grounding_match="word", memory_branches=False,
-        neg_weight=1.0))
+        neg_weight=1.0, gold_branches=False))
 
     # Reuse needs a (near-)identical node input: with mean-pooled embeddings of a tiny model,
     # different prompts of one agent reach cosine 0.9996 (measured). Hints are off by default

@@ -36,7 +36,8 @@ from joyagents_jax.tokenizers import load_tokenizer
 
 
 def task_of(ex: suite.Example) -> rollout.Task:
-    return rollout.Task(ex.query, ex.answer, ex.answer_kind, ex.min_llm_calls)
+    return rollout.Task(ex.query, ex.answer, ex.answer_kind, ex.min_llm_calls,
+                        tuple(n.output for n in ex.gold))
 
 
 def load_sources(config: ml_collections.ConfigDict, workdir: str) -> dict:
@@ -427,7 +428,9 @@ class Experiment:
                         "grpo/nonfinite_rewards": len(fits) - len(finite),
                         "grpo/memory_dropped": len(finite) - len(own),
                         "grpo/memory_member_groups": len({s.group for s in trained
-                                                          if s.from_memory})})
+                                                          if s.from_memory}),
+                        "grpo/gold_member_groups": len({s.group for s in trained
+                                                        if s.from_gold})})
         return trained
 
     def _update(self, train: ts.TrainState, samples: list[rollout.Sample], metrics: dict

@@ -20,6 +20,7 @@ CHANGED = {
     "grpo.clip_norm": 0.7, "grpo.temperature": 0.9, "grpo.tempered_loss": True, "grpo.top_p": 0.9, "grpo.top_k": 20,
     "grpo.w_format": 0.2, "grpo.w_efficiency": 0.1, "grpo.w_grounding": 0.3,
     "grpo.grounding_match": "chars", "grpo.memory_branches": True, "grpo.neg_weight": 0.5,
+    "grpo.gold_branches": True,
     "memory.capacity": 7, "memory.response_len": 5, "memory.request_len": 6,
     "memory.tau_reuse": 0.99999, "memory.tau_hint": 0.999, "memory.hints": True, "memory.reuse": False,
     "memory.reuse_min_reward": 0.5, "memory.tau_dup": 0.93, "memory.z": 1.5,

@@ -68,6 +68,8 @@ def test_the_default_and_real_checkpoint_configs_are_valid(tmp_path):
      "config.grpo.memory_branches=True: branching at memory-answered nodes is a node-wise"),
     ({"grpo__memory_branches": True, "memory__in_rollouts": False},
      "no rollout node is memory-answered with memory.enabled=False or memory.in_rollouts=False"),
+    ({"grpo__gold_branches": True, "grpo__mode": "full_tree"},
+     "config.grpo.gold_branches=True: a gold output joins node groups, which only node-wise"),
     ({"groups__all__model": "qwen9"}, "config.groups.all.model='qwen9': not a preset"),
     ({"groups__all__checkpoint": "/nonexistent/qwen"}, "no config.json there"),
     ({"tokenizer": "/nonexistent/tok"}, "config.tokenizer='/nonexistent/tok': not a folder"),

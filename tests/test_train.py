@@ -416,20 +416,38 @@ def test_question_order_visits_every_distinct_train_question_once_per_epoch(data
     assert all(t.query in epoch for t in exp.refill_tasks(0, 1))
 
 
-def test_trainable_counts_informative_groups_that_hold_a_memory_output(data_dir, tmp_path):
-    """grpo/memory_member_groups: node groups with a reward spread whose members include the
-    memory's stored output (grpo.memory_branches); a group that agrees trains nothing."""
+def test_train_tasks_carry_their_gold_outputs(data_dir, tmp_path):
+    """GRPO's tasks hold the gold trajectory's node outputs (grpo.gold_branches reads them):
+    replayed, they answer their own query with the full R_A + R_F."""
+    from joyagents_jax.agents import system
+    exp = evaluate.experiment.Experiment(_config(data_dir=data_dir), str(tmp_path / "g"))
+    tasks = exp.train_tasks(0) + exp.refill_tasks(0, 1)
+    for task in tasks:
+        assert len(task.gold) == task.min_llm_calls
+        episode = system.demonstration(exp.system, task.query, task.gold)
+        parts = episode.reward(task.answer, task.answer_kind, task.min_llm_calls,
+                               exp.parts.rollout.rewards)
+        assert float(parts.memory_reward) == pytest.approx(1.0 + exp.config.grpo.w_format)
+
+
+def test_trainable_counts_informative_groups_that_hold_a_memory_or_gold_output(data_dir,
+                                                                              tmp_path):
+    """grpo/memory_member_groups and grpo/gold_member_groups: node groups with a reward spread
+    whose members include the memory's stored output (grpo.memory_branches) or the gold one
+    (grpo.gold_branches); a group that agrees trains nothing."""
     exp = evaluate.experiment.Experiment(_config(data_dir=data_dir), str(tmp_path / "m"))
 
-    def sample(group, reward, from_memory=False):
+    def sample(group, reward, source=""):
         return rollout.Sample("math", [1, 2], np.array([3], np.int32), np.zeros(1, np.float32),
-                              reward, reward, group, 0, 0, from_memory=from_memory)
-    samples = [sample(0, 1.0, True), sample(0, 0.0), sample(1, 1.0, True), sample(1, 1.0),
-               sample(2, 1.0), sample(2, 0.0)]
+                              reward, reward, group, 0, 0, from_memory=source == "memory",
+                              from_gold=source == "gold")
+    samples = [sample(0, 1.0, "memory"), sample(0, 0.0), sample(1, 1.0, "memory"),
+               sample(1, 1.0), sample(2, 1.0), sample(2, 0.0), sample(3, 0.0),
+               sample(3, 1.0, "gold"), sample(4, 1.0), sample(4, 1.0, "gold")]
     metrics = {}
     trained = exp._trainable(samples, metrics)
-    assert {s.group for s in trained} == {0, 2}
-    assert metrics["grpo/memory_member_groups"] == 1
+    assert {s.group for s in trained} == {0, 2, 3}
+    assert metrics["grpo/memory_member_groups"] == 1 and metrics["grpo/gold_member_groups"] == 1
 
 
 def test_extra_worlds_add_demonstrations_replayed_on_their_own_world(data_dir, tmp_path):

@@ -178,13 +178,13 @@ def update(ctx: Context, tables: Mapping[str, mem.MemoryTable],
            ) -> tuple[dict[str, mem.MemoryTable], dict[str, float]]:
     """The step's new tables (the old ones are donated) and memory metrics.
 
-    Candidates are the rollout's LLM-generated samples (not the memory's own outputs in node
-    groups, `Sample.from_memory`), hit records its reuses. Thresholds come from the R_A + R_F of
+    Candidates are the rollout's LLM-generated samples (not the memory's own outputs or gold
+    ones in node groups, `Sample.from_memory`, `Sample.from_gold`), hit records its reuses. Thresholds come from the R_A + R_F of
     those samples, every agent together; a rollout without them (all answered from memory) only
     counts its reuses. Rates count this rollout's lookups.
     """
     tables, totals = dict(tables), collections.Counter()
-    generated = [s for s in result.samples if not s.from_memory]
+    generated = _generated(result)
     rewards = np.array([s.memory_reward for s in generated] or [0.0], np.float32)
     th = mem.thresholds(jnp.asarray(rewards), jnp.asarray(bool(generated)).repeat(
         len(rewards)), ctx.cfg)  # no samples: inactive, nothing is written or deleted
@@ -208,6 +208,11 @@ def update(ctx: Context, tables: Mapping[str, mem.MemoryTable],
                     "llm_calls_saved": c.memory_hits}
 
 
+def _generated(result: rollout.RolloutResult) -> list[rollout.Sample]:
+    """The samples the policies generated: neither the memory's nor gold outputs."""
+    return [s for s in result.samples if not (s.from_memory or s.from_gold)]
+
+
 def _members(ctx: Context, result: rollout.RolloutResult) -> dict[tuple[str, int], list]:
     """(group, agent index) -> [(node, sample)]; samples are LLM-generated nodes only.
 
@@ -221,7 +226,7 @@ def _members(ctx: Context, result: rollout.RolloutResult) -> dict[tuple[str, int
         for node_input, node in zip(trace.inputs, trace.episode.nodes):
             nodes.setdefault(tuple(node_input.prompt_ids), node)
     members = collections.defaultdict(list)
-    for sample in (s for s in result.samples if not s.from_memory):
+    for sample in _generated(result):
         node = nodes.get(tuple(sample.prompt_ids))
         if node is not None:
             members[ctx.slots[sample.agent]].append((node, sample))

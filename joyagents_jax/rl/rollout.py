@@ -40,10 +40,16 @@ class RolloutConfig:
     # nodewise: also branch at the nodes of tau0 the memory answered; the stored output is one
     # member of the node group (`Sample.from_memory`), the policy draws the other G - 1.
     memory_branches: bool = False
+    # nodewise: where tau0 left its task's gold trajectory at a node (the context is gold's, the
+    # output is not), the gold output joins the node group as member G + 1 (`Sample.from_gold`),
+    # completed by the policy like the others: off-policy guidance (LUFFY) toward answers the
+    # policy's own samples miss. Needs `Task.gold`; tasks without it get no such member.
+    gold_branches: bool = False
 
     def __post_init__(self):
-        if self.memory_branches and self.mode != "nodewise":
-            raise ValueError(f"rollout.memory_branches needs mode nodewise, got {self.mode!r}.")
+        for name in ("memory_branches", "gold_branches"):
+            if getattr(self, name) and self.mode != "nodewise":
+                raise ValueError(f"rollout.{name} needs mode nodewise, got {self.mode!r}.")
         if self.mode not in ("nodewise", "trajectory", "full_tree"):
             raise ValueError(f"rollout.mode must be nodewise, trajectory or full_tree, got "
                              f"{self.mode!r}.")
@@ -128,6 +134,9 @@ class Sample(NamedTuple):
     # The output is the memory's, not sampled (memory_branches): an off-policy member whose
     # sampler_logp is NaN; the memory does not store it again.
     from_memory: bool = False
+    # The output is the task's gold one (gold_branches): off-policy like `from_memory`, but an
+    # LLM call of its episode; the memory does not store it.
+    from_gold: bool = False
 
 
 @dataclasses.dataclass
@@ -177,6 +186,7 @@ class Task(NamedTuple):
     answer: str
     answer_kind: str
     min_llm_calls: int
+    gold: tuple[str, ...] = ()  # the gold trajectory's node outputs, in order (gold_branches)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -280,24 +290,36 @@ class Rollout:
                   if self.cfg.memory_branches or not n.from_memory]
         g = self.cfg.group_size
         alternatives = self._sample([tau0[q].inputs[i] for q, i in points], g - 1, counters)
-        children = []
+        children, guided = [], set()
         for (q, i), gens in zip(points, alternatives):
             for gen in gens:
                 child = tau0[q].branch(self.system, i)
                 self._record(child, tau0[q].inputs[i], gen)
                 children.append(child)
+            if self.cfg.gold_branches and _leaves_gold(tau0[q], tasks[q].gold, i):
+                child = tau0[q].branch(self.system, i)
+                self._record(child, tau0[q].inputs[i], self._gold(tasks[q].gold[i]))
+                children.append(child)
+                guided.add((q, i))
         counters.alternatives = len(points) * g
         self._complete(children, counters)
 
         samples, k = [], 0
         for group, (q, i) in enumerate(points):
-            members = [tau0[q]] + children[k:k + g - 1]
-            k += g - 1
+            size = g - 1 + ((q, i) in guided)
+            members = [tau0[q]] + children[k:k + size]
+            k += size
             uses_memory = any(n.from_memory for t in members for n in t.episode.nodes)
-            for trace in members:
+            for m, trace in enumerate(members):
                 samples.append(self._sample_of(trace, i, self._reward(trace, tasks[q]), group, q
-                                               )._replace(uses_memory=uses_memory))
+                                               )._replace(uses_memory=uses_memory,
+                                                          from_gold=m == g))
         return samples, tau0
+
+    def _gold(self, output: str) -> Generation:
+        """A gold node output as a generation: its tokens, NaN sampler log-probs (not sampled)."""
+        ids = np.asarray(self.tokenizer.encode(output), np.int32)
+        return Generation(output, ids, np.full(len(ids), np.nan, np.float32), False)
 
     def _trajectory(self, tasks, counters):
         g = self.cfg.group_size
@@ -373,10 +395,16 @@ class Rollout:
         return Sample(agent=node_input.agent, prompt_ids=node_input.prompt_ids,
                       output_ids=gen.tokens, from_memory=from_memory,
                       sampler_logp=np.full(len(gen.tokens), np.nan, np.float32) if from_memory
-                      else gen.logp,
+                      else gen.logp,  # NaN for a gold output too (`_gold`)
                       reward=0.0 if parts is None else float(parts.total),
                       memory_reward=0.0 if parts is None else float(parts.memory_reward),
                       group=group, query=query, node=node)
+
+
+def _leaves_gold(trace: Trace, gold: Sequence[str], node: int) -> bool:
+    """Whether `trace` follows the gold outputs up to `node` and departs from them there."""
+    outputs = [n.output for n in trace.episode.nodes[:node + 1]]
+    return node < len(gold) and outputs[:node] == list(gold[:node]) and outputs[node] != gold[node]
 
 
 def _first_leaf(root: Trace, children: dict[int, list[Trace]]) -> Trace:

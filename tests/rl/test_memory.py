@@ -363,3 +363,13 @@ def test_repeated_rewarded_query_is_answered_from_memory(monkeypatch):
     members = memory_hook._members(ctx, branched)
     assert sum(map(len, members.values())) == len(branched.samples) - len(reused)
     assert not any(s.from_memory for found in members.values() for _, s in found)
+    # gold_branches: a gold output in a node group is not stored either.
+    gold = [n.output for n in good.gold]
+    guided = rollout.Rollout(
+        sys_, TOK, ScriptedPolicy(lambda i, j, n: "<answer>wrong</answer>"),
+        rollout.RolloutConfig("nodewise", 2, gold_branches=True)).run(
+        [task(good)._replace(gold=tuple(gold))])
+    assert any(s.from_gold for s in guided.samples)
+    members = memory_hook._members(ctx, guided)
+    assert sum(map(len, members.values())) == sum(not s.from_gold for s in guided.samples)
+    assert memory_hook._generated(guided) == [s for s in guided.samples if not s.from_gold]

@@ -183,6 +183,47 @@ def test_memory_branches_group_the_stored_output_with_policy_samples(examples, s
     assert {s.node for s in without.samples}.isdisjoint(memory_at)
 
 
+def test_gold_branches_add_the_gold_output_where_the_rollout_leaves_gold(examples, sys_):
+    """gold_branches: where tau0 follows gold up to a node and departs there, the gold output
+    joins that node group as member G + 1 (NaN sampler log-probs, an LLM call of its episode,
+    completed by the policy); nodes after the departure (another context) and nodes where
+    tau0 is gold get none; a task without gold gets none."""
+    ex = examples["math"]  # master call, math tool, math answer, master answer
+    gold = gold_script([ex])
+    outputs = [n.output for n in ex.gold]
+
+    def script(node_input, j, group_size):  # the math agent always answers wrongly
+        if node_input.agent == "math" and gold(node_input, j, group_size).startswith("<answer>"):
+            return "<answer>wrong</answer>"
+        return gold(node_input, j, group_size)
+    g = 3
+    task = _task(ex)._replace(gold=tuple(outputs))
+    cfg = rollout.RolloutConfig("nodewise", g, gold_branches=True)
+    result = rollout.Rollout(sys_, TOK, ScriptedPolicy(script), cfg).run([task])
+    nodes = result.episodes[0].episode.nodes
+    departs = next(i for i, n in enumerate(nodes) if n.output != outputs[i])
+    assert nodes[departs].agent == "math" and departs < len(nodes) - 1
+    by_node = collections.defaultdict(list)
+    for s in result.samples:
+        by_node[s.node].append(s)
+    for i, members in by_node.items():
+        assert len({s.group for s in members}) == 1
+        if i != departs:
+            assert len(members) == g and not any(s.from_gold for s in members)
+            continue
+        assert len(members) == g + 1 and [s.from_gold for s in members] == [False] * g + [True]
+        guided = members[-1]
+        assert TOK.decode(guided.output_ids.tolist()) == outputs[i]
+        assert np.isnan(guided.sampler_logp).all()
+        assert all(np.isfinite(s.sampler_logp).all() for s in members[:-1])
+        assert guided.reward > max(s.reward for s in members[:-1])  # the right answer
+    assert result.counters.alternatives == g * len(nodes)
+    plain = rollout.Rollout(sys_, TOK, ScriptedPolicy(script), cfg).run([_task(ex)])
+    assert not any(s.from_gold for s in plain.samples)
+    assert list(collections.Counter(s.group for s in plain.samples).values()) == \
+        [g] * len(plain.episodes[0].episode.nodes)
+
+
 def test_full_tree_counts_the_product(examples, sys_):
     ex = examples["qa"]  # 4 LLM nodes
     g = 2
@@ -233,6 +274,8 @@ def test_config_errors():
         rollout.RolloutConfig("nodewise", 1)
     with pytest.raises(ValueError, match="memory_branches needs mode nodewise"):
         rollout.RolloutConfig("trajectory", 2, memory_branches=True)
+    with pytest.raises(ValueError, match="gold_branches needs mode nodewise"):
+        rollout.RolloutConfig("full_tree", 2, gold_branches=True)
 
 
 TINY_POLICY = qwen2.Qwen2Config(vocab_size=TOK.vocab_size, hidden_size=32, intermediate_size=64,
