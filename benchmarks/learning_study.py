@@ -60,6 +60,10 @@ VARIANTS = {
     "gold_branches": ("the default, the gold output a member of node groups where a rollout "
                       "leaves the gold trajectory (off-policy guidance)",
                       {"grpo.gold_branches": True}),
+    "gold_kall": ("gold_branches and every node group with a reward spread (K=all)",
+                  {"grpo.gold_branches": True, "grpo.topk": 0}),
+    "gold_kall_lr5e-5": ("gold_kall at learning rate 5e-5",
+                         {"grpo.gold_branches": True, "grpo.topk": 0, "grpo.learning_rate": 5e-5}),
     "grounding_chars": ("R_G (w_grounding=0.2) with partial credit for near copies",
                         {"grpo.w_grounding": 0.2, "grpo.grounding_match": "chars"}),
     "no_std": ("the default with Dr. GRPO's advantages (r - group mean, not divided by the std)",
@@ -174,6 +178,9 @@ def report(root: str, out_md: str, out_png: str) -> str:
     by_variant: dict[str, list[dict]] = {}
     for r in runs:
         by_variant.setdefault(r["variant"], []).append(r)
+    unknown = sorted(set(by_variant) - set(VARIANTS))
+    if unknown:  # results of another version of this script in the same root
+        print(f"# left out of the table and plot (not variants of this script): {unknown}")
     domains = sorted({k.rsplit("/", 1)[1] for r in runs for k in r["eval"]
                       if k.startswith("eval/test/accuracy/")})
     stat = lambda xs, f=".3f": (f"{np.mean(xs):{f}} +- {np.std(xs):{f}}" if len(xs) > 1
@@ -215,7 +222,7 @@ def _plot(by_variant: dict[str, list[dict]], path: str) -> None:
     fig = Figure(figsize=(11, 4), layout="constrained")
     rollout_ax, heldout_ax = fig.subplots(1, 2)
     sft = {r["seed"]: r["test_acc"] for r in by_variant.get("sft_only", [])}
-    for name, rs in by_variant.items():
+    for name, rs in ((n, by_variant[n]) for n in VARIANTS if n in by_variant):
         color = f"C{list(VARIANTS).index(name)}"
         for i, r in enumerate(rs):
             if not r["curve"]:
