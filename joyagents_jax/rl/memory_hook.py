@@ -179,9 +179,9 @@ def update(ctx: Context, tables: Mapping[str, mem.MemoryTable],
     """The step's new tables (the old ones are donated) and memory metrics.
 
     Candidates are the rollout's LLM-generated samples (not the memory's own outputs or gold
-    ones in node groups, `Sample.from_memory`, `Sample.from_gold`), hit records its reuses. Thresholds come from the R_A + R_F of
-    those samples, every agent together; a rollout without them (all answered from memory) only
-    counts its reuses. Rates count this rollout's lookups.
+    ones in node groups, `Sample.from_memory`, `Sample.from_gold`), hit records its reuses.
+    Thresholds come from the R_A + R_F of those samples, every agent together; a rollout without
+    them (all answered from memory) only counts its reuses. Rates count this rollout's lookups.
     """
     tables, totals = dict(tables), collections.Counter()
     generated = _generated(result)
