@@ -93,8 +93,10 @@ def grpo_batch(samples: Sequence[rollout.Sample], slots: AgentSlots,
     """Rollout samples -> a GRPOBatch: rewards and node-group ids per row, group owners.
 
     B is at least `min_rows` (the mesh's data-parallel size, a power of two), so the batch
-    always splits evenly. Node group ids are renumbered densely in order of appearance and their count bucketed, so
-    `group_agent` has a bounded number of shapes; padding groups own no samples (-1).
+    always splits evenly. Node group ids are renumbered densely in order of appearance;
+    `group_agent` has one entry per row of the batch (a group holds at least one sample), so
+    its length follows B and adds no compiled shapes of its own; padding groups own no
+    samples (-1).
     """
     rows, per_group, length = _layout(
         [(s.agent, len(s.prompt_ids) + len(s.output_ids)) for s in samples], slots, group_sizes,
@@ -115,7 +117,7 @@ def grpo_batch(samples: Sequence[rollout.Sample], slots: AgentSlots,
             raise ValueError(f"Node group {s.group} mixes agents; every sample of a group must "
                              f"belong to one agent.")
         group_ids[group][index, row] = dense[s.group]
-    group_agent = np.full(bucket(len(owners)), -1, np.int32)
+    group_agent = np.full(sum(a * per_group[g] for g, a in group_sizes.items()), -1, np.int32)
     group_agent[:len(owners)] = owners
     roll = {g: grpo_step.Rollouts(tokens=a["tokens"], mask=a["mask"], loss_mask=a["loss_mask"],
                                   sampler_logp=a["logp"], rewards=rewards[g],

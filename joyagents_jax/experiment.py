@@ -216,9 +216,12 @@ class Experiment:
         return run.replace(train=train, memory=tables, phase="grpo")
 
     def _place(self, state: ts.TrainState) -> ts.TrainState:
-        """The state in its partition-rule shardings on the mesh (as is without a mesh)."""
-        return state if self.mesh is None else jax.device_put(
-            state, ts.state_shardings(state, self.mesh))
+        """The state in its partition-rule shardings on the mesh, or committed to the one
+        device without a mesh: the jitted steps' outputs are committed, and a step called
+        first with uncommitted arrays would compile twice."""
+        if self.mesh is None:
+            return jax.device_put(state, jax.devices()[0])
+        return jax.device_put(state, ts.state_shardings(state, self.mesh))
 
     def _batch_shardings(self, batch):
         """Per-agent arrays split over agents and data-parallel devices; tables replicated."""

@@ -33,7 +33,8 @@ def test_grpo_batch_layout():
     np.testing.assert_array_equal(m.group_ids, [[0, 0]])
     np.testing.assert_array_equal(subs.group_ids[0], [1, 2, 1, 2, 2, -1, -1, -1])
     np.testing.assert_array_equal(subs.group_ids[1], [3, -1, -1, -1, -1, -1, -1, -1])
-    np.testing.assert_array_equal(b.group_agent, [0, 1, 1, 2])
+    # One group_agent entry per row (1 x 2 + 2 x 8): its shape follows B's; padding owns nothing.
+    np.testing.assert_array_equal(b.group_agent, [0, 1, 1, 2] + [-1] * 14)
     np.testing.assert_array_equal(subs.rewards[0, :5], [1, 0, 1, 1, 1])
     # Row 1 of qa: context 1 2 3, output 4 5 6 7 with its sampler log-probs.
     np.testing.assert_array_equal(subs.tokens[0, 1, :8], [1, 2, 3, 4, 5, 6, 7, 0])

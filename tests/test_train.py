@@ -470,3 +470,15 @@ def test_extra_worlds_add_demonstrations_replayed_on_their_own_world(data_dir, t
     tools = [(world, ex) for world, ex in extra[:200] if any(n.observation for n in ex.gold)]
     assert tools and all(observed(world, ex) for world, ex in tools)
     assert not all(observed(exp.system, ex) for _, ex in tools)
+
+
+def test_the_state_is_committed_to_its_device_before_the_first_step(data_dir, tmp_path):
+    """Without a mesh the fresh SFT state and the state GRPO starts from are committed, as the
+    jitted steps' outputs are: the first step then compiles once for both (an uncommitted
+    argument is part of jit's cache key, so step 1 would compile again at step 2)."""
+    exp = evaluate.experiment.Experiment(_config(data_dir=data_dir), str(tmp_path))
+    assert exp.mesh is None
+    run = exp.init_run()
+    assert all(x.committed for x in jax.tree.leaves(run.train))
+    run = exp.start_grpo(run)
+    assert all(x.committed for x in jax.tree.leaves(run.train))
