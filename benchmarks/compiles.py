@@ -1,0 +1,134 @@
+"""How much of the default's GRPO phase is XLA compiling: every compile of its first steps,
+counted and timed per jitted function.
+
+    python benchmarks/compiles.py --root R --seed 0 --steps 12
+
+From the seed's end-of-SFT checkpoint (`R/sft_s<seed>`, trained first when missing, as
+`learning_study.py` does; `R/data` holds the suite), runs `--steps` GRPO iterations of the
+default, then one greedy evaluation of the policies alone on `test`, with `jax_log_compiles`
+on. Reports per jitted function the compiles, their distinct argument shapes (a function
+compiled twice for one shape wastes a compile) and XLA compile seconds; per step the wall
+time, rollout, update and new compiles, with the step's training accuracy and reward, so two
+commits can be checked for equal numbers as well as compared for time. Merges the record
+into `benchmarks/results/compiles.json` (one per device, seed, step count and commit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import logging
+import os
+import re
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from joyagents_jax import xla_flags  # noqa: E402
+
+xla_flags.pin_cpu_numerics()
+
+import jax  # noqa: E402
+
+import hardware  # noqa: E402
+import learning_study  # noqa: E402
+from joyagents_jax import checkpoint, experiment, train  # noqa: E402
+
+_FINISHED = re.compile(r"Finished XLA compilation of jit\((\w+)\) in ([\d.e+-]+) ?s")
+_COMPILING = re.compile(r"Compiling jit\((\w+)\) with global shapes and types (.*?)\. Argument")
+
+
+class CompileLog(logging.Handler):
+    """Collects jax's compile log lines: seconds and argument shapes per jitted function."""
+
+    def __init__(self):
+        super().__init__()
+        self.seconds = collections.defaultdict(list)
+        self.shapes = collections.defaultdict(list)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if m := _FINISHED.search(message):
+            self.seconds[m.group(1)].append(float(m.group(2)))
+        elif m := _COMPILING.search(message):
+            self.shapes[m.group(1)].append(m.group(2))
+
+    def count(self) -> int:
+        return sum(len(v) for v in self.seconds.values())
+
+    def table(self) -> dict[str, dict]:
+        return {name: {"compiles": len(s), "distinct_shapes": len(set(self.shapes[name])),
+                       "seconds": round(sum(s), 2)}
+                for name, s in sorted(self.seconds.items(), key=lambda kv: -sum(kv[1]))}
+
+
+def _commit() -> str:
+    here = os.path.dirname(os.path.abspath(__file__))
+    out = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"],
+                         capture_output=True, text=True)
+    return out.stdout.strip() or "unknown"
+
+
+def measure(root: str, seed: int, steps: int) -> dict:
+    data_dir = os.path.join(root, "data")
+    sft_dir = learning_study.sft_checkpoint(root, seed, data_dir, {})
+    config = learning_study.config_for(seed, {"data_dir": data_dir})
+    exp = experiment.Experiment(config, os.path.join(root, f"compiles_s{seed}"))
+    with checkpoint.Checkpointer(os.path.join(sft_dir, "checkpoints"), keep=10) as ckpt:
+        run = train.restore(exp, ckpt)
+    log = CompileLog()
+    logger = logging.getLogger("jax")
+    logger.addHandler(log)
+    logger.setLevel(logging.WARNING)
+    logger.propagate = False
+    jax.config.update("jax_log_compiles", True)
+    start = time.time()
+    run, per_step = exp.start_grpo(run), []
+    for k in range(steps):
+        t, before = time.time(), log.count()
+        run, m = exp.grpo_iteration(run)
+        per_step.append({"step": k + 1, "wall_s": round(time.time() - t, 2),
+                         "rollout_s": round(m["rollout/seconds"], 2),
+                         "update_s": round(m["time/update_seconds"], 2),
+                         "compiles": log.count() - before, "accuracy": m["grpo/accuracy"],
+                         "reward": m["grpo/reward"]})
+    grpo_wall = time.time() - start
+    accuracy = exp.evaluate(run, "test", learning_study.SPLITS["test"],
+                            use_memory=False)["eval/test/accuracy"]
+    jax.config.update("jax_log_compiles", False)
+    table = log.table()
+    return {"model": "default", "seed": seed, "steps": steps, "commit": _commit(),
+            "wall_s": round(time.time() - start, 1), "grpo_wall_s": round(grpo_wall, 1),
+            "compile_s": round(sum(v["seconds"] for v in table.values()), 1),
+            "compiles": sum(v["compiles"] for v in table.values()),
+            "test_acc_no_memory": accuracy, "per_function": table, "per_step": per_step}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--root", required=True, help="holds data/ and sft_s<seed>/")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(
+        __file__)), "results", "compiles.json"))
+    args = parser.parse_args()
+    record = measure(args.root, args.seed, args.steps)
+    hardware.record_results(args.out, [record], {"seed": 0, "steps": 12, "commit": None})
+    print(f"commit {record['commit']}: {record['steps']} GRPO steps + one evaluation in "
+          f"{record['wall_s']} s, {record['compiles']} XLA compiles taking "
+          f"{record['compile_s']} s; test accuracy alone {record['test_acc_no_memory']}")
+    print("| function | compiles | distinct shapes | compile s |\n|---|---|---|---|")
+    for name, row in list(record["per_function"].items())[:8]:
+        print(f"| {name} | {row['compiles']} | {row['distinct_shapes']} | {row['seconds']} |")
+    print("| step | wall s | rollout s | update s | compiles | accuracy | reward |\n"
+          "|---|---|---|---|---|---|---|")
+    for s in record["per_step"]:
+        print(f"| {s['step']} | {s['wall_s']} | {s['rollout_s']} | {s['update_s']} | "
+              f"{s['compiles']} | {s['accuracy']:.4f} | {s['reward']:.6f} |")
+
+
+if __name__ == "__main__":
+    main()
