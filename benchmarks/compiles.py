@@ -10,7 +10,12 @@ on. Reports per jitted function the compiles, their distinct argument shapes (a 
 compiled twice for one shape wastes a compile) and XLA compile seconds; per step the wall
 time, rollout, update and new compiles, with the step's training accuracy and reward, so two
 commits can be checked for equal numbers as well as compared for time. Merges the record
-into `benchmarks/results/compiles.json` (one per device, seed, step count and commit).
+into `benchmarks/results/compiles.json` (one per device, seed, step count, commit and cache).
+
+The persistent compilation cache is off unless `--cache-dir DIR` is given; run twice with one
+DIR to measure what a rerun or the next seed of `joyagents train` (which keeps a cache) saves:
+the record's `cache` is "empty" the first time and "warm" the second, whose compiles are then
+mostly cache loads (`cache_hits`), timed as XLA reports them.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import learning_study  # noqa: E402
 from joyagents_jax import checkpoint, experiment, train  # noqa: E402
 
 _FINISHED = re.compile(r"Finished XLA compilation of jit\((\w+)\) in ([\d.e+-]+) ?s")
+_HIT = re.compile(r"Persistent compilation cache hit for 'jit_(\w+)'")
 _COMPILING = re.compile(r"Compiling jit\((\w+)\) with global shapes and types (.*?)\. Argument")
 
 
@@ -48,6 +54,7 @@ class CompileLog(logging.Handler):
         super().__init__()
         self.seconds = collections.defaultdict(list)
         self.shapes = collections.defaultdict(list)
+        self.hits = 0
 
     def emit(self, record: logging.LogRecord) -> None:
         message = record.getMessage()
@@ -55,6 +62,8 @@ class CompileLog(logging.Handler):
             self.seconds[m.group(1)].append(float(m.group(2)))
         elif m := _COMPILING.search(message):
             self.shapes[m.group(1)].append(m.group(2))
+        elif _HIT.search(message):
+            self.hits += 1
 
     def count(self) -> int:
         return sum(len(v) for v in self.seconds.values())
@@ -72,7 +81,7 @@ def _commit() -> str:
     return out.stdout.strip() or "unknown"
 
 
-def measure(root: str, seed: int, steps: int) -> dict:
+def measure(root: str, seed: int, steps: int, cache: str) -> dict:
     data_dir = os.path.join(root, "data")
     sft_dir = learning_study.sft_checkpoint(root, seed, data_dir, {})
     config = learning_study.config_for(seed, {"data_dir": data_dir})
@@ -104,6 +113,7 @@ def measure(root: str, seed: int, steps: int) -> dict:
             "wall_s": round(time.time() - start, 1), "grpo_wall_s": round(grpo_wall, 1),
             "compile_s": round(sum(v["seconds"] for v in table.values()), 1),
             "compiles": sum(v["compiles"] for v in table.values()),
+            "cache": cache, "cache_hits": log.hits,
             "test_acc_no_memory": accuracy, "per_function": table, "per_step": per_step}
 
 
@@ -112,14 +122,21 @@ def main() -> None:
     parser.add_argument("--root", required=True, help="holds data/ and sft_s<seed>/")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--cache-dir", default="", help="persistent compilation cache ('': off)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(
         __file__)), "results", "compiles.json"))
     args = parser.parse_args()
-    record = measure(args.root, args.seed, args.steps)
-    hardware.record_results(args.out, [record], {"seed": 0, "steps": 12, "commit": None})
+    os.environ[xla_flags.CACHE_DIR] = args.cache_dir
+    xla_flags.use_compilation_cache()
+    warm = os.path.isdir(args.cache_dir) and os.listdir(args.cache_dir)
+    cache = "off" if not args.cache_dir else "warm" if warm else "empty"
+    record = measure(args.root, args.seed, args.steps, cache)
+    hardware.record_results(args.out, [record],
+                            {"seed": 0, "steps": 12, "commit": None, "cache": "off"})
     print(f"commit {record['commit']}: {record['steps']} GRPO steps + one evaluation in "
-          f"{record['wall_s']} s, {record['compiles']} XLA compiles taking "
-          f"{record['compile_s']} s; test accuracy alone {record['test_acc_no_memory']}")
+          f"{record['wall_s']} s, {record['compiles']} XLA compiles ({record['cache_hits']} "
+          f"cache loads) taking {record['compile_s']} s; test accuracy alone "
+          f"{record['test_acc_no_memory']}")
     print("| function | compiles | distinct shapes | compile s |\n|---|---|---|---|")
     for name, row in list(record["per_function"].items())[:8]:
         print(f"| {name} | {row['compiles']} | {row['distinct_shapes']} | {row['seconds']} |")

@@ -137,6 +137,7 @@ def table(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     xla_flags.pin_cpu_numerics()  # the numbers `joyagents train` gives (before JAX's backend starts)
+    xla_flags.use_compilation_cache()  # as `joyagents` does: later runs load earlier compiles
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workdir", required=True)
     parser.add_argument("--step", type=int, default=None, help="checkpoint (default: latest)")

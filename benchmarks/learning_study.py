@@ -248,6 +248,7 @@ def _plot(by_variant: dict[str, list[dict]], path: str) -> None:
 
 def main() -> None:
     xla_flags.pin_cpu_numerics()  # the numbers `joyagents train` gives (before JAX's backend starts)
+    xla_flags.use_compilation_cache()  # as `joyagents` does: later runs load earlier compiles
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--root", default="runs/learning_study")
     p.add_argument("--seeds", default="0")

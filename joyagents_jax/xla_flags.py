@@ -8,15 +8,22 @@ These flags turn YNNPACK off and cap the ISA at AVX2, at no measured cost in spe
 default. They do not make a seed CPU-independent: an AVX-512 Intel host and an AVX2-only AMD
 host still part during SFT (which kernel still differs is open). Set
 `JOYAGENTS_PORTABLE_CPU_NUMERICS=0` to keep XLA's defaults. Imports nothing from JAX: call
-`pin_cpu_numerics()` before JAX starts its backend."""
+`pin_cpu_numerics()` before JAX starts its backend.
+
+`use_compilation_cache()` points JAX's persistent compilation cache at a folder kept between
+runs, so a rerun, a resumed run or the next seed loads what an earlier run compiled."""
 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import MutableMapping
 
 PORTABLE = ("--xla_cpu_experimental_ynn_fusion_type=", "--xla_cpu_max_isa=AVX2")
 SWITCH = "JOYAGENTS_PORTABLE_CPU_NUMERICS"
+CACHE_DIR = "JAX_COMPILATION_CACHE_DIR"
+# Programs that compile faster than this are not worth a file (the default's eager ops).
+CACHE_MIN_COMPILE_SECS = ("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 
 def pin_cpu_numerics(environ: MutableMapping[str, str] = os.environ) -> None:
@@ -27,3 +34,29 @@ def pin_cpu_numerics(environ: MutableMapping[str, str] = os.environ) -> None:
     names = {f.split("=", 1)[0] for f in flags}
     flags += [f for f in PORTABLE if f.split("=", 1)[0] not in names]
     environ["XLA_FLAGS"] = " ".join(flags)
+
+
+def default_cache_dir(environ: MutableMapping[str, str] = os.environ) -> str:
+    """`$XDG_CACHE_HOME/joyagents/xla`, or `~/.cache/joyagents/xla`."""
+    base = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "joyagents", "xla")
+
+
+def use_compilation_cache(environ: MutableMapping[str, str] = os.environ) -> None:
+    """Turns on JAX's persistent compilation cache in `default_cache_dir()`, unless the user set
+    `JAX_COMPILATION_CACHE_DIR` (their folder; "" turns the cache off).
+
+    A loaded executable is the one that was compiled, so no number changes; JAX keys entries by
+    the program, its XLA flags, devices and versions, and XLA refuses one compiled for CPU
+    features this host lacks. The folder is never pruned (JAX evicts only with
+    `JAX_COMPILATION_CACHE_MAX_SIZE` and the `filelock` package): delete it to reclaim space.
+    JAX reads these variables when imported; a process that imported it already gets its
+    config updated instead."""
+    environ.setdefault(CACHE_DIR, default_cache_dir(environ))
+    environ.setdefault(*CACHE_MIN_COMPILE_SECS)
+    if "jax" in sys.modules and environ is os.environ:
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", environ[CACHE_DIR] or None)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                          float(environ[CACHE_MIN_COMPILE_SECS[0]]))

@@ -20,3 +20,21 @@ def test_a_users_own_value_wins_and_the_switch_turns_it_off():
     env = {xla_flags.SWITCH: "0"}
     xla_flags.pin_cpu_numerics(env)
     assert "XLA_FLAGS" not in env
+
+
+def test_the_compilation_cache_defaults_to_the_users_cache_folder():
+    env = {"XDG_CACHE_HOME": "/somewhere/cache"}
+    xla_flags.use_compilation_cache(env)
+    assert env[xla_flags.CACHE_DIR] == "/somewhere/cache/joyagents/xla"
+    assert env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] == "0.2"
+    env = {"HOME": "/home/u"}
+    assert xla_flags.default_cache_dir(env).endswith("/.cache/joyagents/xla")
+
+
+def test_a_users_cache_setting_wins_and_an_empty_one_turns_it_off():
+    env = {xla_flags.CACHE_DIR: "", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "5"}
+    xla_flags.use_compilation_cache(env)
+    assert env == {xla_flags.CACHE_DIR: "", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "5"}
+    env = {xla_flags.CACHE_DIR: "/mine"}
+    xla_flags.use_compilation_cache(env)
+    assert env[xla_flags.CACHE_DIR] == "/mine"
