@@ -43,6 +43,8 @@ import learning_study  # noqa: E402
 from joyagents_jax import checkpoint, experiment, train  # noqa: E402
 
 _FINISHED = re.compile(r"Finished XLA compilation of jit\((\w+)\) in ([\d.e+-]+) ?s")
+_TRACED = re.compile(r"Finished tracing (\w+) for jit in ([\d.e+-]+) ?s")
+_LOWERED = re.compile(r"Finished jaxpr to MLIR module conversion jit\((\w+)\) in ([\d.e+-]+) ?s")
 _HIT = re.compile(r"Persistent compilation cache hit for 'jit_(\w+)'")
 _COMPILING = re.compile(r"Compiling jit\((\w+)\) with global shapes and types (.*?)\. Argument")
 
@@ -55,6 +57,7 @@ class CompileLog(logging.Handler):
         self.seconds = collections.defaultdict(list)
         self.shapes = collections.defaultdict(list)
         self.hits = 0
+        self.staging = collections.defaultdict(float)  # tracing + lowering seconds
 
     def emit(self, record: logging.LogRecord) -> None:
         message = record.getMessage()
@@ -62,6 +65,8 @@ class CompileLog(logging.Handler):
             self.seconds[m.group(1)].append(float(m.group(2)))
         elif m := _COMPILING.search(message):
             self.shapes[m.group(1)].append(m.group(2))
+        elif m := _TRACED.search(message) or _LOWERED.search(message):
+            self.staging[m.group(1)] += float(m.group(2))
         elif _HIT.search(message):
             self.hits += 1
 
@@ -70,7 +75,8 @@ class CompileLog(logging.Handler):
 
     def table(self) -> dict[str, dict]:
         return {name: {"compiles": len(s), "distinct_shapes": len(set(self.shapes[name])),
-                       "seconds": round(sum(s), 2)}
+                       "seconds": round(sum(s), 2),
+                       "trace_lower_seconds": round(self.staging[name], 2)}
                 for name, s in sorted(self.seconds.items(), key=lambda kv: -sum(kv[1]))}
 
 
@@ -113,6 +119,7 @@ def measure(root: str, seed: int, steps: int, cache: str) -> dict:
             "wall_s": round(time.time() - start, 1), "grpo_wall_s": round(grpo_wall, 1),
             "compile_s": round(sum(v["seconds"] for v in table.values()), 1),
             "compiles": sum(v["compiles"] for v in table.values()),
+            "trace_lower_s": round(sum(log.staging.values()), 1),
             "cache": cache, "cache_hits": log.hits,
             "test_acc_no_memory": accuracy, "per_function": table, "per_step": per_step}
 
@@ -137,9 +144,12 @@ def main() -> None:
           f"{record['wall_s']} s, {record['compiles']} XLA compiles ({record['cache_hits']} "
           f"cache loads) taking {record['compile_s']} s; test accuracy alone "
           f"{record['test_acc_no_memory']}")
-    print("| function | compiles | distinct shapes | compile s |\n|---|---|---|---|")
+    print(f"tracing and lowering to XLA: {record['trace_lower_s']} s")
+    print("| function | compiles | distinct shapes | compile s | trace + lower s |\n"
+          "|---|---|---|---|---|")
     for name, row in list(record["per_function"].items())[:8]:
-        print(f"| {name} | {row['compiles']} | {row['distinct_shapes']} | {row['seconds']} |")
+        print(f"| {name} | {row['compiles']} | {row['distinct_shapes']} | {row['seconds']} | "
+              f"{row['trace_lower_seconds']} |")
     print("| step | wall s | rollout s | update s | compiles | accuracy | reward |\n"
           "|---|---|---|---|---|---|---|")
     for s in record["per_step"]:
