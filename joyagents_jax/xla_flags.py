@@ -42,18 +42,35 @@ def default_cache_dir(environ: MutableMapping[str, str] = os.environ) -> str:
     return os.path.join(base, "joyagents", "xla")
 
 
+def _writable(folder: str) -> bool:
+    if "://" in folder:  # a remote store such as gs://: JAX opens it itself
+        return True
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError:
+        return False
+    return os.access(folder, os.W_OK)
+
+
 def use_compilation_cache(environ: MutableMapping[str, str] = os.environ) -> None:
     """Turns on JAX's persistent compilation cache in `default_cache_dir()`, unless the user set
     `JAX_COMPILATION_CACHE_DIR` (their folder; "" turns the cache off).
 
     A loaded executable is the one that was compiled, so no number changes; JAX keys entries by
     the program, its XLA flags, devices and versions, and XLA refuses one compiled for CPU
-    features this host lacks. The folder is never pruned (JAX evicts only with
+    features this host lacks. A folder that cannot be created or written is reported once and
+    the run goes on without the cache. The folder is never pruned (JAX evicts only with
     `JAX_COMPILATION_CACHE_MAX_SIZE` and the `filelock` package): delete it to reclaim space.
     JAX reads these variables when imported; a process that imported it already gets its
     config updated instead."""
     environ.setdefault(CACHE_DIR, default_cache_dir(environ))
     environ.setdefault(*CACHE_MIN_COMPILE_SECS)
+    folder = environ[CACHE_DIR]
+    if folder and not _writable(folder):  # else JAX warns at every compile
+        print(f"joyagents: cannot create or write the compilation cache folder {folder}; running "
+              f"without the cache (set JAX_COMPILATION_CACHE_DIR to a writable folder, or to '' "
+              f"to turn it off quietly)", file=sys.stderr)
+        environ[CACHE_DIR] = ""
     if "jax" in sys.modules and environ is os.environ:
         import jax
 

@@ -41,3 +41,14 @@ def test_a_users_cache_setting_wins_and_an_empty_one_turns_it_off():
     env = {xla_flags.CACHE_DIR: "/mine"}
     xla_flags.use_compilation_cache(env)
     assert env[xla_flags.CACHE_DIR] == "/mine"
+
+
+def test_an_unwritable_cache_folder_is_reported_once_and_turned_off(tmp_path, capsys):
+    (tmp_path / "a_file").write_text("")
+    env = {xla_flags.CACHE_DIR: str(tmp_path / "a_file" / "xla")}
+    xla_flags.use_compilation_cache(env)
+    assert env[xla_flags.CACHE_DIR] == ""
+    assert "cannot create or write the compilation cache folder" in capsys.readouterr().err
+    env = {xla_flags.CACHE_DIR: "gs://bucket/xla"}  # remote stores are JAX's to open
+    xla_flags.use_compilation_cache(env)
+    assert env[xla_flags.CACHE_DIR] == "gs://bucket/xla"
