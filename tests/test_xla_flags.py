@@ -25,22 +25,23 @@ def test_a_users_own_value_wins_and_the_switch_turns_it_off():
     assert "XLA_FLAGS" not in env
 
 
-def test_the_compilation_cache_defaults_to_the_users_cache_folder():
-    env = {"XDG_CACHE_HOME": "/somewhere/cache"}
+def test_the_compilation_cache_defaults_to_the_users_cache_folder(tmp_path):
+    env = {"XDG_CACHE_HOME": str(tmp_path)}
     xla_flags.use_compilation_cache(env)
-    assert env[xla_flags.CACHE_DIR] == "/somewhere/cache/joyagents/xla"
+    assert env[xla_flags.CACHE_DIR] == str(tmp_path / "joyagents" / "xla")
+    assert os.path.isdir(env[xla_flags.CACHE_DIR])
     assert env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] == "0.2"
     assert xla_flags.default_cache_dir({}) == os.path.join(os.path.expanduser("~"), ".cache",
                                                           "joyagents", "xla")
 
 
-def test_a_users_cache_setting_wins_and_an_empty_one_turns_it_off():
+def test_a_users_cache_setting_wins_and_an_empty_one_turns_it_off(tmp_path):
     env = {xla_flags.CACHE_DIR: "", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "5"}
     xla_flags.use_compilation_cache(env)
     assert env == {xla_flags.CACHE_DIR: "", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "5"}
-    env = {xla_flags.CACHE_DIR: "/mine"}
+    env = {xla_flags.CACHE_DIR: str(tmp_path / "mine")}
     xla_flags.use_compilation_cache(env)
-    assert env[xla_flags.CACHE_DIR] == "/mine"
+    assert env[xla_flags.CACHE_DIR] == str(tmp_path / "mine")
 
 
 def test_an_unwritable_cache_folder_is_reported_once_and_turned_off(tmp_path, capsys):
