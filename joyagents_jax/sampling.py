@@ -284,6 +284,7 @@ class Sampler:
         out = self._per_agent(scfg, group_size, params, *self._place(arrays, stacked=True),
                               keys)
         strings = self._per_prompt(stop_strings, prompts)
+        out = distributed.to_host(out)  # sliced on the host: no compile per output shape
         return [self._finish(jax.tree.map(lambda x: x[a], out), strings[a])
                 for a in range(num_agents)]
 

@@ -186,8 +186,8 @@ def update(ctx: Context, tables: Mapping[str, mem.MemoryTable],
     tables, totals = dict(tables), collections.Counter()
     generated = _generated(result)
     rewards = np.array([s.memory_reward for s in generated] or [0.0], np.float32)
-    th = mem.thresholds(jnp.asarray(rewards), jnp.asarray(bool(generated)).repeat(
-        len(rewards)), ctx.cfg)  # no samples: inactive, nothing is written or deleted
+    th = mem.thresholds(rewards, np.full(len(rewards), bool(generated)),
+                        ctx.cfg)  # no samples: inactive, nothing is written or deleted
     members, hits = _members(ctx, result), _hits(ctx, result)
     for group, stacked in tables.items():
         agents = range(stacked.valid.shape[0])
