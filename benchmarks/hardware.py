@@ -57,20 +57,23 @@ def memory_bandwidth(mbytes: int | None = None) -> float:
 
 
 def device_name() -> str:
-    """The first device in words, e.g. 'NVIDIA H100 80GB HBM3' or, on the CPU, its model, core
-    count and widest vector ISA ('cpu: AMD EPYC, 2 cores, AVX2'): CPU ratios differ between
-    hosts (two "AMD EPYC" hosts of this project differ 3x in matmul peak), so each keeps its
-    record."""
+    """The first device in words, e.g. 'NVIDIA H100 80GB HBM3' or, on the CPU, its model name,
+    family and model numbers, core count and widest vector ISA ('cpu: AMD EPYC family 26 model
+    2, 2 cores, AVX-512'): CPU ratios differ between hosts (three "AMD EPYC" hosts of this
+    project differ 6x in matmul peak), so each keeps its record."""
     d = jax.devices()[0]
     if d.platform != "cpu":
         return getattr(d, "device_kind", d.platform)
     model, flags = platform.processor() or "unknown model", set()
     if os.path.exists("/proc/cpuinfo"):
+        first = {}  # the first processor's entries
         with open("/proc/cpuinfo") as f:
-            lines = [line.split(":", 1) for line in f if ":" in line]
-        names = [v.strip() for k, v in lines if k.strip() == "model name"]
-        model = names[0] if names else model
-        flags = set(next((v.split() for k, v in lines if k.strip() == "flags"), []))
+            for key, value in (line.split(":", 1) for line in f if ":" in line):
+                first.setdefault(key.strip(), value.strip())
+        model = first.get("model name", model)
+        if "cpu family" in first and "model" in first:
+            model += f" family {first['cpu family']} model {first['model']}"
+        flags = set(first.get("flags", "").split())
     isa = next((f", {name}" for flag, name in (("avx512f", "AVX-512"), ("avx2", "AVX2"))
                 if flag in flags), "")
     return f"cpu: {model}, {os.cpu_count()} cores{isa}"
