@@ -12,6 +12,7 @@ alone, as its share of the step; the rollout and memory shares of a real step ar
     python benchmarks/train_step.py [--sizes tiny,small-30m] [--agents 5] [--batch 16] [--seq 256]
     python benchmarks/train_step.py --sizes base-120m --agents 1
     python benchmarks/train_step.py --lora-rank 8    # also the step of rank-8 LoRA agents
+    python benchmarks/train_step.py --agents-per-pass 1   # agents one after another
     python benchmarks/train_step.py --sizes qwen2.5-0.5b --dtype bfloat16   # on a GPU: MFU
 
 `--dtype` sets the weights, optimizer moments and compute (the Qwen configs' bf16 policy); the
@@ -47,7 +48,7 @@ from joyagents_jax.rl import grpo, grpo_step  # noqa: E402
 
 # A record's key beside model and device, with the values of older records that lack a field.
 SETTING = {"agents": 5, "batch": 16, "seq": 256, "inner_steps": 2, "dtype": "float32",
-           "attention": "xla", "remat": False}
+           "attention": "xla", "remat": False, "agents_per_pass": None}
 
 
 def matmul_params(cfg: qwen2.Qwen2Config) -> int:
@@ -88,11 +89,11 @@ def best_time(fn, carry, repeats: int) -> float:
     return min(times)
 
 
-def reference_forward(cfg: qwen2.Qwen2Config):
+def reference_forward(cfg: qwen2.Qwen2Config, per_pass: int | None):
     """log pi_ref of every sample of every agent: params [A, ...], tokens/mask [A, B, T]."""
     def one_agent(params, tokens, mask):
         return grpo.token_logprobs(sft.next_token_logits(cfg, params, tokens, mask), tokens[:, 1:])
-    return jax.jit(jax.vmap(one_agent))
+    return jax.jit(lambda *args: grpo_step.over_agents(one_agent, per_pass, *args))
 
 
 def main():
@@ -108,11 +109,14 @@ def main():
     parser.add_argument("--attention", default="xla", choices=["xla", "cudnn"])
     parser.add_argument("--remat", action="store_true", help="rematerialize each layer (the "
                         "Qwen configs' setting); MFU still counts model FLOPs only")
+    parser.add_argument("--agents-per-pass", type=int, default=0,
+                        help="grpo.agents_per_pass: agents per vmapped pass (0: all in one)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                       "results", "train_step.json"))
     args = parser.parse_args()
     peak = hardware.matmul_peak(jnp.dtype(args.dtype))
-    print(f"# devices {jax.devices()}; {args.dtype} matmul peak {peak / 1e9:.1f} GFLOP/s")
+    print(f"# devices {jax.devices()}; {args.dtype} matmul peak {peak / 1e9:.1f} GFLOP/s; "
+          f"agents per pass: {args.agents_per_pass or 'all'}")
     lora_cols = (f" LoRA r{args.lora_rank} step s | LoRA / full |", "---|---|") \
         if args.lora_rank else ("", "")
     print("| model | params | agents x batch x seq | step s | GFLOP/step | GFLOP/s | % of peak "
@@ -125,9 +129,10 @@ def main():
                                      jax.random.key(0))
         state = ts.create({"all": group})
         step = grpo_step.make_grpo_step(grpo_step.GRPOStepConfig(
-            loss=grpo.GRPOConfig(beta=0.04), inner_steps=args.inner))
+            loss=grpo.GRPOConfig(beta=0.04), inner_steps=args.inner,
+            agents_per_pass=args.agents_per_pass or None))
         data = batch(cfg, args.agents, args.batch, args.seq)
-        r, ref = data.rollouts["all"], reference_forward(cfg)
+        r, ref = data.rollouts["all"], reference_forward(cfg, args.agents_per_pass or None)
         t_ref = best_time(lambda _: ref(group.params, r.tokens, r.mask), None, args.repeats)
         t = best_time(lambda s: step(s, data)[0], state, args.repeats)
         flops = step_flops(cfg, args.agents, args.batch, args.seq, args.inner)
@@ -144,7 +149,8 @@ def main():
             "batch": args.batch, "seq": args.seq, "inner_steps": args.inner, "step_s": t,
             "gflop_per_step": flops / 1e9, "gflop_s": flops / t / 1e9, "peak_frac": flops / t / peak,
             "matmul_peak_gflop_s": peak / 1e9, "dtype": args.dtype, "attention": args.attention,
-            "remat": args.remat, "reference_forward_s": t_ref,
+            "remat": args.remat, "agents_per_pass": args.agents_per_pass or None,
+            "reference_forward_s": t_ref,
             "lora_step_s": t_lora if args.lora_rank else None}], SETTING)
 
 

@@ -91,7 +91,9 @@ def get_config() -> ml_collections.ConfigDict:
     # node group as one more member (off-policy guidance, as LUFFY), so GRPO sees the answer the
     # samples miss (False: policy samples only). On 3 seeds the policies alone gained +2.0
     # points with it (K=5) and +4.0 with topk=0, against the default's +2.3 (benchmarks/
-    # RESULTS.md, "off-policy guidance").
+    # RESULTS.md, "off-policy guidance"). agents_per_pass: agents of a group in one vmapped
+    # gradient pass, passes one after another (0: all at once); fewer bounds activation memory
+    # and, on CPU at 30M+ parameters, runs faster (benchmarks/RESULTS.md, "One agent per pass").
     c.grpo = ml_collections.ConfigDict(dict(
         steps=30, queries=12, group_size=4, mode="nodewise", topk=5, select="groups",
         micro_batch=16, inner_steps=2, beta=0.04, eps_low=0.2, eps_high=0.28, kl="k3",
@@ -99,7 +101,7 @@ def get_config() -> ml_collections.ConfigDict:
         clip_norm=1.0, temperature=0.3, tempered_loss=False, top_p=1.0, top_k=0,
         memory_groups="keep", w_format=0.1, w_efficiency=0.05, w_grounding=0.0, min_groups=0,
         max_refills=2, query_order="traffic", grounding_match="word", memory_branches=False,
-        neg_weight=1.0, gold_branches=False))
+        neg_weight=1.0, gold_branches=False, agents_per_pass=0))
 
     # Reuse needs a (near-)identical node input: with mean-pooled embeddings of a tiny model,
     # different prompts of one agent reach cosine 0.9996 (measured). Hints are off by default

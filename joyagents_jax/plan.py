@@ -51,6 +51,7 @@ class PlanConfig:
     ref_dtype: str = "bfloat16"  # the frozen KL reference policy
     train_batch: int = 8  # sequences per agent in one train step
     micro_batch: int = 0  # rows per agent in one forward/backward (grpo.micro_batch; 0: all)
+    agents_per_pass: int = 0  # agents of a group in one gradient pass (grpo.agents_per_pass)
     seq_len: int = 1024
     rollout_batch: int = 64  # sequences per agent decoded together
     cache_len: int = 2048
@@ -204,7 +205,8 @@ def activation_bytes(pc: PlanConfig, mesh: jax.sharding.Mesh, groups: Sequence[G
     the real `grpo_step` (policy and reference forward, backward, AdamW, for every agent)."""
     state = abstract_state(groups)
     step = jax.jit(functools.partial(grpo_step.grpo_step, cfg=grpo_step.GRPOStepConfig(
-        loss=grpo.GRPOConfig(beta=0.04), inner_steps=1, micro_batch=pc.micro_batch or None)),
+        loss=grpo.GRPOConfig(beta=0.04), inner_steps=1, micro_batch=pc.micro_batch or None,
+        agents_per_pass=pc.agents_per_pass or None)),
         donate_argnums=0)
     compiled = step.lower(state, abstract_batch(pc, mesh, state)).compile()
     return compiled.memory_analysis().temp_size_in_bytes
@@ -249,7 +251,8 @@ def format_plan(plan: Plan, capacity: int | None = None, full_ft: Plan | None = 
                  "frozen base (none: full fine-tuning)"),
         "kv_cache": f"KV cache (rollout {pc.rollout_batch} x {pc.cache_len}, {pc.compute_dtype})",
         "activations": f"activations, temps (train {pc.train_batch} x {pc.seq_len}"
-                       f"{f', micro {pc.micro_batch}' if pc.micro_batch else ''})",
+                       f"{f', micro {pc.micro_batch}' if pc.micro_batch else ''}"
+                       f"{f', {pc.agents_per_pass} agent(s) per pass' if pc.agents_per_pass else ''})",
     }
     row = lambda label, dev, tot: f"  {label:<52}{dev / GiB:>12.2f}{tot / GiB:>14.2f}"
     lines.append(f"  {'GiB':<52}{'per device':>12}{'whole system':>14}")
@@ -303,6 +306,7 @@ def from_run_config(spec: str) -> dict[str, Any]:
             presets.get_preset(model)  # a clear error for a folder that is not there
     return {"groups": groups, "param_dtype": c.param_dtype, "compute_dtype": c.dtype,
             "remat": c.remat, "mesh": c.mesh or "fsdp=-1", "micro_batch": c.grpo.micro_batch,
+            "agents_per_pass": c.grpo.agents_per_pass,
             "lora_rank": c.lora.rank,
             "lora_alpha": c.lora.alpha, "lora_targets": c.lora.targets}
 
@@ -330,6 +334,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--micro-batch", type=int, default=None,
                    help="rows per agent in one forward/backward, as grpo.micro_batch (default: "
                         "the config file's, else 0 = the whole train batch)")
+    p.add_argument("--agents-per-pass", type=int, default=None,
+                   help="agents of a group in one gradient pass, as grpo.agents_per_pass "
+                        "(default: the config file's, else 0 = all at once)")
     p.add_argument("--seq-len", type=int, default=d.seq_len)
     p.add_argument("--rollout-batch", type=int, default=d.rollout_batch, help="sequences per agent")
     p.add_argument("--cache-len", type=int, default=d.cache_len)

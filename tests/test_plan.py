@@ -119,7 +119,7 @@ def test_a_train_config_file_is_planned_from_its_folders_config_json(tmp_path, c
     fields = plan.from_run_config(spec)
     assert fields == {"groups": ((str(tmp_path), 5),), "param_dtype": "bfloat16",
                       "compute_dtype": "bfloat16", "remat": True, "mesh": "fsdp=-1",
-                      "micro_batch": 16, "lora_rank": 0, "lora_alpha": 16.0,
+                      "micro_batch": 16, "agents_per_pass": 0, "lora_rank": 0, "lora_alpha": 16.0,
                       "lora_targets": "q|k|v|o|gate|up|down"}
     group = plan.make_group(plan.PlanConfig(**fields), sharding.make_mesh(), str(tmp_path), 5)
     assert (group.cfg.hidden_size, group.cfg.num_layers, group.cfg.vocab_size) == (32, 2, 300)

@@ -11,8 +11,9 @@ One step:
   1. advantages per node group, top-K node groups (or agents) by reward variance, per-sample
      weights and the per-agent update mask;
   2. a forward of the reference policies (logp_ref, when beta > 0);
-  3. mu optimizer steps over the same batch (`lax.scan`), each agent vmapped, unselected agents
-     keeping params and optimizer state bit for bit. With `micro_batch`, each agent's
+  3. mu optimizer steps over the same batch (`lax.scan`), each agent vmapped (or mapped in
+     passes of `agents_per_pass` agents), unselected agents keeping params and optimizer
+     state bit for bit. With `micro_batch`, each agent's
      gradient (and the reference forward) runs over micro-batches of rows and accumulates to
      the full-batch gradient, bounding activation memory. logp_old is the first inner step's own
      forward (taken before any update, so it is the rollout policy's log-prob) and is kept for
@@ -55,6 +56,17 @@ class GRPOStepConfig:
     # Rows per agent in one forward/backward; gradients accumulate over the batch's
     # micro-batches to exactly the full-batch gradient. None: the whole batch at once.
     micro_batch: int | None = None
+    # Agents of a group in one vmapped gradient (and reference) pass; the passes run one after
+    # another (`lax.map`). None: every agent of a group in one pass. Fewer bounds activation
+    # memory to that many agents and, on CPU, runs unbatched matmul kernels: at 30M
+    # parameters one agent per pass made the 5-agent step 1.35x faster (benchmarks/RESULTS.md,
+    # "One agent per pass"). The agents' results are the same up to rounding.
+    agents_per_pass: int | None = None
+
+    def __post_init__(self):
+        if self.agents_per_pass is not None and self.agents_per_pass < 1:
+            raise ValueError(f"agents_per_pass must be >= 1 (or None: all agents in one pass), "
+                             f"got {self.agents_per_pass}.")
 
 
 @flax.struct.dataclass
@@ -255,8 +267,21 @@ def _check_batch(state: ts.TrainState, batch: GRPOBatch) -> None:
                              f"{group.num_agents} agents.")
 
 
+def over_agents(fn, per_pass: int | None, params: qwen2.Params | lora.LoRAParams, *rows):
+    """fn(params of agent a, *rows[a]) for every agent a: params stacked [A, ...] (a LoRA base
+    shared), rows [A, ...] (None allowed). One vmapped pass of all agents (per_pass None), or
+    passes of `per_pass` agents one after another (`lax.map`)."""
+    if per_pass is None:
+        return jax.vmap(fn, in_axes=(lora.agent_axes(params),) + (0,) * len(rows))(params, *rows)
+    if isinstance(params, lora.LoRAParams):
+        one = lambda a: fn(params.replace(adapters=a[0]), *a[1:])
+        return jax.lax.map(one, (params.adapters, *rows), batch_size=per_pass)
+    return jax.lax.map(lambda a: fn(*a), (params, *rows), batch_size=per_pass)
+
+
 def _reference_logprobs(group: ts.AgentGroup, r: Rollouts, loss: grpo.GRPOConfig,
-                        micro_batch: int | None = None) -> jax.Array | None:
+                        micro_batch: int | None = None, per_pass: int | None = None
+                        ) -> jax.Array | None:
     """logp_ref of every sample [A, B, T-1] (micro-batch by micro-batch), or None when the KL
     term is off."""
     if not loss.beta:
@@ -274,8 +299,7 @@ def _reference_logprobs(group: ts.AgentGroup, r: Rollouts, loss: grpo.GRPOConfig
         return jax.lax.map(per_micro, (_micro(tokens, size), _micro(mask, size))).reshape(
             rows, -1)
 
-    return jax.vmap(one_agent, in_axes=(lora.agent_axes(references), 0, 0))(
-        references, r.tokens, r.mask)
+    return over_agents(one_agent, per_pass, references, r.tokens, r.mask)
 
 
 def _inner_step(cfg: GRPOStepConfig, inputs: dict, updates: dict[str, jax.Array], carry,
@@ -288,10 +312,10 @@ def _inner_step(cfg: GRPOStepConfig, inputs: dict, updates: dict[str, jax.Array]
     groups, logp_old = carry
     new_groups, new_old, metrics, ok = {}, {}, {}, jnp.array(True)
     for name, group in groups.items():
-        grad_fn = jax.vmap(functools.partial(agent_grads, group.model, cfg.loss, cfg.micro_batch,
-                                             first, group.view))
-        grads, metrics[name], new_old[name] = grad_fn(group.params, logp_old[name],
-                                                      *inputs[name])
+        grad_fn = functools.partial(agent_grads, group.model, cfg.loss, cfg.micro_batch, first,
+                                    group.view)
+        grads, metrics[name], new_old[name] = over_agents(
+            grad_fn, cfg.agents_per_pass, group.params, logp_old[name], *inputs[name])
         metrics[name]["grad_norm"] = norms = ts.global_norms(grads)
         new_groups[name] = ts.apply_gradients(group, grads, updates[name])
         ok &= jnp.all(jnp.isfinite(metrics[name]["loss"]) & jnp.isfinite(norms))
@@ -320,7 +344,8 @@ def grpo_step(state: ts.TrainState, batch: GRPOBatch, cfg: GRPOStepConfig
         rows = slice(offsets[name], offsets[name] + group.num_agents)
         targets[name] = r.loss_mask[..., 1:].astype(bool)
         inputs[name] = (r.tokens, r.mask, targets[name],
-                        _reference_logprobs(group, r, cfg.loss, cfg.micro_batch), adv[name],
+                        _reference_logprobs(group, r, cfg.loss, cfg.micro_batch,
+                                            cfg.agents_per_pass), adv[name],
                         grpo.sample_weights(kept, r.group_ids))
         updates[name] = update[rows]
         logp_old[name] = jnp.zeros(targets[name].shape, jnp.float32)  # set by the first step

@@ -1,6 +1,7 @@
 """Tests for joyagents_jax.rl.grpo_step: selection over the batch, the masked all-agents step, and
 learning on a toy bandit."""
 
+import dataclasses
 import functools
 import os
 import subprocess
@@ -226,6 +227,48 @@ def test_micro_batches_accumulate_to_the_full_batch_step(aggregation):
             np.testing.assert_allclose(micro_m["agents"][name][key], value, rtol=1e-5,
                                        atol=1e-6, err_msg=f"{name} {key}")
     assert int(micro_m["kept_groups"]) == int(full_m["kept_groups"]) == 3
+
+
+@pytest.mark.parametrize("per_pass", [None, 1, 2, 5])
+@pytest.mark.parametrize("as_lora", [False, True])
+def test_over_agents_maps_every_agent_in_passes_as_one_vmapped_pass(per_pass, as_lora):
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.normal(size=(3, 4, 2)), jnp.float32)  # [A, D, E]
+    rows = jnp.asarray(rng.normal(size=(3, 5, 4)), jnp.float32)  # [A, B, D]
+    base = jnp.asarray(rng.normal(size=(4, 2)), jnp.float32)
+    params = lora.LoRAParams(base=base, adapters=w, scale=2.0) if as_lora else w
+
+    def fn(p, x, none):  # one agent: p [D, E] (or a base + adapter), x [B, D]
+        assert none is None
+        k = p.base + p.scale * p.adapters if as_lora else p
+        return {"y": x @ k, "sum": jnp.sum(x)}
+
+    got = gs.over_agents(fn, per_pass, params, rows, None)
+    k = base + 2.0 * w if as_lora else w
+    chex.assert_trees_all_close(got, {"y": jnp.einsum("abd,ade->abe", rows, k),
+                                      "sum": jnp.sum(rows, axis=(1, 2))}, rtol=1e-6)
+
+
+@pytest.mark.parametrize("per_pass,as_lora", [(1, False), (2, True)])
+def test_agents_in_passes_give_the_one_pass_step(step, per_pass, as_lora):
+    """The same params, optimizer states and metrics, up to rounding, with the agents of a group
+    run in passes (2: a pass of two sub-agents, then the third alone; the master alone)."""
+    fresh = _lora_state if as_lora else _fresh_state
+    one, one_m = step(fresh(), _batch())
+    passes, passes_m = gs.make_grpo_step(dataclasses.replace(STEP_CFG, agents_per_pass=per_pass))(
+        fresh(), _batch())
+    assert int(passes.skipped) == int(one.skipped) == 0
+    for a, b in zip(jax.tree.leaves(one.groups), jax.tree.leaves(passes.groups), strict=True):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
+    for name in ("subs", "master"):
+        for key, value in one_m["agents"][name].items():
+            np.testing.assert_allclose(passes_m["agents"][name][key], value, rtol=1e-5,
+                                       atol=1e-6, err_msg=f"{name} {key}")
+
+
+def test_agents_per_pass_below_one_is_refused():
+    with pytest.raises(ValueError, match="agents_per_pass must be >= 1"):
+        gs.GRPOStepConfig(agents_per_pass=0)
 
 
 def test_a_micro_batch_that_does_not_divide_the_rows_is_refused(state):
