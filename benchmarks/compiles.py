@@ -2,6 +2,7 @@
 counted and timed per jitted function.
 
     python benchmarks/compiles.py --root R --seed 0 --steps 12
+    python benchmarks/compiles.py --root R --set grpo.agents_per_pass=1   # another GRPO config
 
 From the seed's end-of-SFT checkpoint (`R/sft_s<seed>`, trained first when missing, as
 `learning_study.py` does; `R/data` holds the suite), runs `--steps` GRPO iterations of the
@@ -87,10 +88,11 @@ def _commit() -> str:
     return out.stdout.strip() or "unknown"
 
 
-def measure(root: str, seed: int, steps: int, cache: str) -> dict:
+def measure(root: str, seed: int, steps: int, cache: str, overrides: list[str]) -> dict:
     data_dir = os.path.join(root, "data")
     sft_dir = learning_study.sft_checkpoint(root, seed, data_dir, {})
-    config = learning_study.config_for(seed, {"data_dir": data_dir})
+    config = learning_study.config_for(seed, {"data_dir": data_dir,
+                                              **learning_study.parse_overrides(overrides)})
     exp = experiment.Experiment(config, os.path.join(root, f"compiles_s{seed}"))
     with checkpoint.Checkpointer(os.path.join(sft_dir, "checkpoints"), keep=10) as ckpt:
         run = train.restore(exp, ckpt)
@@ -120,7 +122,7 @@ def measure(root: str, seed: int, steps: int, cache: str) -> dict:
             "compile_s": round(sum(v["seconds"] for v in table.values()), 1),
             "compiles": sum(v["compiles"] for v in table.values()),
             "trace_lower_s": round(sum(log.staging.values()), 1),
-            "cache": cache, "cache_hits": log.hits,
+            "cache": cache, "cache_hits": log.hits, "overrides": " ".join(sorted(overrides)),
             "test_acc_no_memory": accuracy, "per_function": table, "per_step": per_step}
 
 
@@ -130,6 +132,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--cache-dir", default="", help="persistent compilation cache ('': off)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a GRPO or memory config override (the SFT checkpoint is the "
+                             "default's), e.g. grpo.agents_per_pass=1")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(
         __file__)), "results", "compiles.json"))
     args = parser.parse_args()
@@ -137,10 +142,11 @@ def main() -> None:
     xla_flags.use_compilation_cache()
     warm = os.path.isdir(args.cache_dir) and os.listdir(args.cache_dir)
     cache = "off" if not args.cache_dir else "warm" if warm else "empty"
-    record = measure(args.root, args.seed, args.steps, cache)
-    hardware.record_results(args.out, [record],
-                            {"seed": 0, "steps": 12, "commit": None, "cache": "off"})
-    print(f"commit {record['commit']}: {record['steps']} GRPO steps + one evaluation in "
+    record = measure(args.root, args.seed, args.steps, cache, args.set)
+    hardware.record_results(args.out, [record], {"seed": 0, "steps": 12, "commit": None,
+                                                 "cache": "off", "overrides": ""})
+    print(f"commit {record['commit']}{' with ' + record['overrides'] if args.set else ''}: "
+          f"{record['steps']} GRPO steps + one evaluation in "
           f"{record['wall_s']} s, {record['compiles']} XLA compiles ({record['cache_hits']} "
           f"cache loads) taking {record['compile_s']} s; test accuracy alone "
           f"{record['test_acc_no_memory']}")

@@ -75,6 +75,12 @@ MAIN = ("sft_only", "trajectory", "nodewise_all", "nodewise_topk", "joyagents")
 SPLITS = {"test": 200, "test_novel": 50}
 
 
+def parse_overrides(items: list[str]) -> dict:
+    """["grpo.topk=2", "grpo.mode=trajectory"] -> {"grpo.topk": 2, "grpo.mode": "trajectory"}."""
+    return {k: ast.literal_eval(v) if v[:1] in "0123456789-.[(" or v in ("True", "False")
+            else v for k, _, v in (item.partition("=") for item in items)}
+
+
 def config_for(seed: int, overrides: dict) -> "config_lib.ml_collections.ConfigDict":
     c = config_lib.get_config()
     c.seed = seed
@@ -264,8 +270,7 @@ def main() -> None:
     p.add_argument("--out", default="benchmarks/learning_study")
     a = p.parse_args()
     os.makedirs(a.root, exist_ok=True)
-    extra = {k: ast.literal_eval(v) if v[:1] in "0123456789-.[(" or v in ("True", "False")
-             else v for k, _, v in (item.partition("=") for item in a.set)}
+    extra = parse_overrides(a.set)
     if not a.report:
         for seed in map(int, a.seeds.split(",")):
             for name in a.variants.split(","):

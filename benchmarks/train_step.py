@@ -93,7 +93,7 @@ def reference_forward(cfg: qwen2.Qwen2Config, per_pass: int | None):
     """log pi_ref of every sample of every agent: params [A, ...], tokens/mask [A, B, T]."""
     def one_agent(params, tokens, mask):
         return grpo.token_logprobs(sft.next_token_logits(cfg, params, tokens, mask), tokens[:, 1:])
-    return jax.jit(lambda *args: grpo_step.over_agents(one_agent, per_pass, *args))
+    return jax.jit(lambda *args: ts.over_agents(one_agent, per_pass, *args))
 
 
 def main():

@@ -57,7 +57,7 @@ def build(c: ml_collections.ConfigDict) -> Components:
             loss=loss, inner_steps=g.inner_steps, topk=g.topk or None, select=g.select,
             advantage="given" if g.mode == "trajectory" else g.advantage,
             neg_weight=g.neg_weight,
-            micro_batch=g.micro_batch or None, agents_per_pass=g.agents_per_pass or None),
+            micro_batch=g.micro_batch or None, agents_per_pass=c.agents_per_pass or None),
         rollout=rollout.RolloutConfig(g.mode, g.group_size, rewards,
                                       memory_branches=g.memory_branches,
                                       gold_branches=g.gold_branches),

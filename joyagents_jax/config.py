@@ -34,6 +34,11 @@ def get_config() -> ml_collections.ConfigDict:
     c.mesh = ""  # e.g. "fsdp=-1" or "data=2,fsdp=4": state and batches sharded; "": one device
     c.max_len = 384  # longest training sequence (context + output); longer rollouts are dropped
     c.pad_to_max_len = True  # one GRPO-step shape: compiles once (a CPU compile costs ~30 steps)
+    # Agents of a group in one vmapped gradient pass of the SFT and GRPO steps; the passes run
+    # one after another (0: every agent at once). One per pass bounds activation memory to one
+    # agent's, and on CPU runs unbatched matmul kernels: the default's SFT step 1.55x and GRPO
+    # update 1.3x faster, every result equal (benchmarks/RESULTS.md, "One agent per pass").
+    c.agents_per_pass = 1
     # Sampler shape buckets: prompts and batches are padded at least to these.
     c.sampler = ml_collections.ConfigDict(dict(min_prompt_bucket=256, min_batch_bucket=4))
 
@@ -91,9 +96,7 @@ def get_config() -> ml_collections.ConfigDict:
     # node group as one more member (off-policy guidance, as LUFFY), so GRPO sees the answer the
     # samples miss (False: policy samples only). On 3 seeds the policies alone gained +2.0
     # points with it (K=5) and +4.0 with topk=0, against the default's +2.3 (benchmarks/
-    # RESULTS.md, "off-policy guidance"). agents_per_pass: agents of a group in one vmapped
-    # gradient pass, passes one after another (0: all at once); fewer bounds activation memory
-    # and, on CPU at 30M+ parameters, runs faster (benchmarks/RESULTS.md, "One agent per pass").
+    # RESULTS.md, "off-policy guidance").
     c.grpo = ml_collections.ConfigDict(dict(
         steps=30, queries=12, group_size=4, mode="nodewise", topk=5, select="groups",
         micro_batch=16, inner_steps=2, beta=0.04, eps_low=0.2, eps_high=0.28, kl="k3",
@@ -101,7 +104,7 @@ def get_config() -> ml_collections.ConfigDict:
         clip_norm=1.0, temperature=0.3, tempered_loss=False, top_p=1.0, top_k=0,
         memory_groups="keep", w_format=0.1, w_efficiency=0.05, w_grounding=0.0, min_groups=0,
         max_refills=2, query_order="traffic", grounding_match="word", memory_branches=False,
-        neg_weight=1.0, gold_branches=False, agents_per_pass=0))
+        neg_weight=1.0, gold_branches=False))
 
     # Reuse needs a (near-)identical node input: with mean-pooled embeddings of a tiny model,
     # different prompts of one agent reach cosine 0.9996 (measured). Hints are off by default
@@ -140,6 +143,7 @@ def real_checkpoint_config(groups: dict[str, tuple[tuple[str, ...], str]]
     c.groups = {name: {"agents": tuple(agents), "model": "", "checkpoint": folder}
                 for name, (agents, folder) in groups.items()}
     c.param_dtype, c.dtype, c.remat, c.mesh = "bfloat16", "bfloat16", True, "fsdp=-1"
+    c.agents_per_pass = 0  # all agents of a group in one pass, as `joyagents plan` measured
     c.max_len = 2048
     c.limits.update(max_nodes=8, max_tokens_per_node=256, max_observation_chars=512)
     c.sft.update(steps=200, shared_steps=0, batch_per_agent=8, learning_rate=1e-5,

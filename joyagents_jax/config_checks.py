@@ -149,6 +149,8 @@ def _top_level(c) -> Iterator[str]:
                     _choice(c, "attention_impl", ATTENTION_IMPLS), _flag(c, "remat"),
                     _flag(c, "pad_to_max_len"), _flag(c, "restart"),
                     _number(c, "max_len", low=2, integer=True),
+                    _number(c, "agents_per_pass", low=0, integer=True,
+                            why="0 runs every agent of a group in one pass"),
                     _number(c, "max_skipped_steps", low=1, integer=True,
                             why="consecutive non-finite steps before the run stops"),
                     _number(c, "sampler.min_prompt_bucket", low=1, integer=True),
@@ -244,8 +246,6 @@ def _grpo(c) -> Iterator[str]:
                     _number(c, "grpo.topk", low=0, integer=True, why="0 keeps every node group"),
                     _choice(c, "grpo.select", SELECTS),
                     _number(c, "grpo.micro_batch", low=0, integer=True),
-                    _number(c, "grpo.agents_per_pass", low=0, integer=True,
-                            why="0 runs every agent of a group in one pass"),
                     _number(c, "grpo.inner_steps", low=1, integer=True),
                     _number(c, "grpo.beta", low=0, why="the KL weight; 0 turns the KL off"),
                     _number(c, "grpo.eps_low", low=0, high=1, high_open=True),
@@ -339,11 +339,11 @@ def _mesh(c) -> Iterator[str]:
     except sharding.ShardingError as e:
         yield f"config.mesh={c.mesh!r}: {e}"
         return
-    if sizes["agent"] > 1 and c.grpo.agents_per_pass:
-        yield (f"config.grpo.agents_per_pass={c.grpo.agents_per_pass}: runs a group's agents "
-               f"one pass after another, but config.mesh={c.mesh!r} splits them over "
-               f"{sizes['agent']} devices on its agent axis to run side by side; set "
-               f"grpo.agents_per_pass=0 or drop the agent axis from the mesh.")
+    if sizes["agent"] > 1 and c.agents_per_pass:
+        yield (f"config.agents_per_pass={c.agents_per_pass}: runs a group's agents one pass "
+               f"after another, but config.mesh={c.mesh!r} splits them over {sizes['agent']} "
+               f"devices on its agent axis to run side by side; set agents_per_pass=0 or drop "
+               f"the agent axis from the mesh.")
     rows = sharding.data_parallel_size(sizes)
     if isinstance(c.sft.batch_per_agent, int) and c.sft.batch_per_agent % rows:
         yield (f"config.sft.batch_per_agent={c.sft.batch_per_agent}: not divisible by the "

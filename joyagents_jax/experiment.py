@@ -96,8 +96,10 @@ class Experiment:
                              f"multiple of it.")
         self.demos = self._demonstrations()
         self.grpo_pool = self._grpo_pool()
-        self._makers = {"sft": sft.make_sft_step,
-                        "shared_sft": functools.partial(sft.make_sft_step, shared=True),
+        per_pass = self.parts.grpo_step.agents_per_pass
+        self._makers = {"sft": functools.partial(sft.make_sft_step, agents_per_pass=per_pass),
+                        "shared_sft": functools.partial(sft.make_sft_step, shared=True,
+                                                        agents_per_pass=per_pass),
                         "grpo": functools.partial(grpo_step.make_grpo_step, self.parts.grpo_step)}
         self._jitted = {}
         self.memory = (memory_hook.Context(self.system, self.tokenizer, self.slots,

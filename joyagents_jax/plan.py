@@ -51,7 +51,7 @@ class PlanConfig:
     ref_dtype: str = "bfloat16"  # the frozen KL reference policy
     train_batch: int = 8  # sequences per agent in one train step
     micro_batch: int = 0  # rows per agent in one forward/backward (grpo.micro_batch; 0: all)
-    agents_per_pass: int = 0  # agents of a group in one gradient pass (grpo.agents_per_pass)
+    agents_per_pass: int = 0  # agents of a group in one gradient pass (config.agents_per_pass)
     seq_len: int = 1024
     rollout_batch: int = 64  # sequences per agent decoded together
     cache_len: int = 2048
@@ -306,7 +306,7 @@ def from_run_config(spec: str) -> dict[str, Any]:
             presets.get_preset(model)  # a clear error for a folder that is not there
     return {"groups": groups, "param_dtype": c.param_dtype, "compute_dtype": c.dtype,
             "remat": c.remat, "mesh": c.mesh or "fsdp=-1", "micro_batch": c.grpo.micro_batch,
-            "agents_per_pass": c.grpo.agents_per_pass,
+            "agents_per_pass": c.agents_per_pass,
             "lora_rank": c.lora.rank,
             "lora_alpha": c.lora.alpha, "lora_targets": c.lora.targets}
 
@@ -335,7 +335,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="rows per agent in one forward/backward, as grpo.micro_batch (default: "
                         "the config file's, else 0 = the whole train batch)")
     p.add_argument("--agents-per-pass", type=int, default=None,
-                   help="agents of a group in one gradient pass, as grpo.agents_per_pass "
+                   help="agents of a group in one gradient pass, as config.agents_per_pass "
                         "(default: the config file's, else 0 = all at once)")
     p.add_argument("--seq-len", type=int, default=d.seq_len)
     p.add_argument("--rollout-batch", type=int, default=d.rollout_batch, help="sequences per agent")

@@ -1,7 +1,7 @@
 """Supervised warm start: teacher-forced cross-entropy on each agent's own output tokens.
 
-Every agent of every group trains in one jitted step (vmap over the agent axis); each agent sees
-only its own demonstrations. Prompt and observation tokens are context, not targets: the loss
+Every agent of every group trains in one jitted step (vmap over the agent axis, or passes of
+`agents_per_pass` agents); each agent sees only its own demonstrations. Prompt and observation tokens are context, not targets: the loss
 mask selects the tokens the agent itself would generate.
 """
 
@@ -46,13 +46,14 @@ def sft_loss(model: qwen2.Qwen2Config, params: qwen2.Params, tokens: jax.Array, 
     return loss, {"loss": loss, "accuracy": grpo.safe_divide(hits, count), "tokens": count}
 
 
-def sft_step(state: ts.TrainState, batch: Mapping[str, SFTBatch], shared: bool = False
-             ) -> tuple[ts.TrainState, dict]:
+def sft_step(state: ts.TrainState, batch: Mapping[str, SFTBatch], shared: bool = False,
+             agents_per_pass: int | None = None) -> tuple[ts.TrainState, dict]:
     """One AdamW step of every agent in `batch` (groups absent from it are left alone).
 
     shared: every agent of a group takes the group's mean gradient, so agents that start equal
     stay equal: one base policy learns from all agents' demonstrations (the role a common
     pretrained checkpoint plays for real Qwen2.5 agents) before they specialize.
+    agents_per_pass: agents of a group per vmapped pass (`train_state.over_agents`; None: all).
 
     An agent without target tokens keeps its params and optimizer state. A non-finite loss or
     gradient anywhere skips the whole step (counted in `state.skipped`).
@@ -62,8 +63,9 @@ def sft_step(state: ts.TrainState, batch: Mapping[str, SFTBatch], shared: bool =
     for name, data in batch.items():
         group = groups[name]
         loss_fn = lambda params, *data: sft_loss(group.model, group.view(params), *data)
-        (loss, metrics), grads = jax.vmap(jax.value_and_grad(loss_fn, has_aux=True))(
-            group.params, data.tokens, data.mask, data.loss_mask)
+        (loss, metrics), grads = ts.over_agents(
+            jax.value_and_grad(loss_fn, has_aux=True), agents_per_pass, group.params,
+            data.tokens, data.mask, data.loss_mask)
         if shared:
             grads = jax.tree.map(lambda g: jnp.broadcast_to(g.mean(0), g.shape), grads)
         norms = ts.global_norms(grads)
@@ -76,7 +78,8 @@ def sft_step(state: ts.TrainState, batch: Mapping[str, SFTBatch], shared: bool =
     return new, {"skipped": new.skipped > state.skipped, "agents": agents}
 
 
-def make_sft_step(*, shared: bool = False, in_shardings=None, out_shardings=None):
+def make_sft_step(*, shared: bool = False, agents_per_pass: int | None = None,
+                  in_shardings=None, out_shardings=None):
     """The jitted `sft_step` with the state donated; shardings as in `train_state.jit_step`."""
-    return ts.jit_step(functools.partial(sft_step, shared=shared), in_shardings=in_shardings,
-                       out_shardings=out_shardings)
+    return ts.jit_step(functools.partial(sft_step, shared=shared, agents_per_pass=agents_per_pass),
+                       in_shardings=in_shardings, out_shardings=out_shardings)

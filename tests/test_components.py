@@ -20,7 +20,7 @@ CHANGED = {
     "grpo.clip_norm": 0.7, "grpo.temperature": 0.9, "grpo.tempered_loss": True, "grpo.top_p": 0.9, "grpo.top_k": 20,
     "grpo.w_format": 0.2, "grpo.w_efficiency": 0.1, "grpo.w_grounding": 0.3,
     "grpo.grounding_match": "chars", "grpo.memory_branches": True, "grpo.neg_weight": 0.5,
-    "grpo.gold_branches": True, "grpo.agents_per_pass": 2,
+    "grpo.gold_branches": True,
     "memory.capacity": 7, "memory.response_len": 5, "memory.request_len": 6,
     "memory.tau_reuse": 0.99999, "memory.tau_hint": 0.999, "memory.hints": True, "memory.reuse": False,
     "memory.reuse_min_reward": 0.5, "memory.tau_dup": 0.93, "memory.z": 1.5,
@@ -62,10 +62,16 @@ def test_values_arrive_unchanged_where_names_match():
             parts.memory.reuse, parts.memory.embed_batch) == (7, 5, 0.3, False, 3)
     assert (parts.grpo_step.topk, parts.grpo_step.select, parts.grpo_step.advantage,
             parts.grpo_step.micro_batch, parts.grpo_step.loss.kl) == (2, "agents", "loo", 4, "k1")
-    assert parts.grpo_step.agents_per_pass == 2
     assert (parts.sampling.temperature, parts.sampling.top_k, parts.sampling.max_new_tokens) == \
         (0.9, 20, 40)
     assert (parts.sft_optim.weight_decay, parts.grpo_optim.learning_rate) == (0.01, 1e-6)
     assert parts.rollout.rewards.w_format == 0.2 and parts.rollout.group_size == 6
     assert parts.rollout.rewards.w_grounding == 0.3
     assert parts.rollout.rewards.grounding_match == "chars"
+
+
+@pytest.mark.parametrize("value,expected", [(1, 1), (3, 3), (0, None)])
+def test_agents_per_pass_reaches_the_grpo_step(value, expected):
+    c = config_lib.get_config()
+    c.agents_per_pass = value
+    assert components.build(c).grpo_step.agents_per_pass == expected

@@ -58,7 +58,7 @@ def test_the_default_and_real_checkpoint_configs_are_valid(tmp_path):
     ({"grpo__group_size": 1}, "config.grpo.group_size=1: must be >= 2"),
     ({"grpo__mode": "beam"}, "config.grpo.mode='beam': not one of nodewise"),
     ({"grpo__micro_batch": 12}, "config.grpo.micro_batch=12: must be a power of two"),
-    ({"grpo__agents_per_pass": -1}, "config.grpo.agents_per_pass=-1: must be >= 0 (0 runs every"),
+    ({"agents_per_pass": -1}, "config.agents_per_pass=-1: must be >= 0 (0 runs every"),
     ({"grpo__memory_groups": "skip"}, "config.grpo.memory_groups='skip': not one of keep, drop"),
     ({"grpo__query_order": "zipf"}, "config.grpo.query_order='zipf': not one of traffic, questions"),
     ({"grpo__grounding_match": "letters"},
@@ -132,12 +132,12 @@ def test_batch_must_split_over_the_mesh(monkeypatch):
 
 def test_agents_in_passes_are_refused_when_the_mesh_splits_the_agents(monkeypatch):
     monkeypatch.setattr("jax.device_count", lambda: 8)
-    found = config_checks.problems(_with(mesh="agent=2,fsdp=4", grpo__agents_per_pass=1))
-    assert found == ["config.grpo.agents_per_pass=1: runs a group's agents one pass after "
-                     "another, but config.mesh='agent=2,fsdp=4' splits them over 2 devices on "
-                     "its agent axis to run side by side; set grpo.agents_per_pass=0 or drop "
-                     "the agent axis from the mesh."]
-    assert config_checks.problems(_with(mesh="agent=2,fsdp=4")) == []
+    found = config_checks.problems(_with(mesh="agent=2,fsdp=4", agents_per_pass=1))
+    assert found == ["config.agents_per_pass=1: runs a group's agents one pass after another, "
+                     "but config.mesh='agent=2,fsdp=4' splits them over 2 devices on its agent "
+                     "axis to run side by side; set agents_per_pass=0 or drop the agent axis "
+                     "from the mesh."]
+    assert config_checks.problems(_with(mesh="agent=2,fsdp=4", agents_per_pass=0)) == []
 
 
 def test_extra_worlds_are_refused_outside_the_assistant_suite():

@@ -133,3 +133,19 @@ def test_lora_sft_learns_through_the_adapters_alone(step):
         rtol=1e-5)  # zero b: the first loss is the base's
     assert np.all(np.asarray(metrics["agents"]["subs"]["loss"]) <
                   0.9 * np.asarray(first["agents"]["subs"]["loss"]))
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_agents_in_passes_give_the_one_pass_step(state, step, shared):
+    """Passes of two agents (two sub-agents, then the third and a silent one alone) take the
+    same steps as one vmapped pass, up to rounding, shared or not."""
+    batch = {"subs": _demos(3, seed=0, silent=(2,)), "master": _demos(1, seed=1)}
+    one = sft.make_sft_step(shared=True) if shared else step
+    passes = sft.make_sft_step(shared=shared, agents_per_pass=2)
+    fresh = ts.create(jax.tree.map(jnp.copy, state.groups))
+    for _ in range(3):
+        state, one_m = one(state, batch)
+        fresh, passes_m = passes(fresh, batch)
+    chex.assert_trees_all_close(fresh.groups, state.groups,
+                                rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(passes_m, one_m, rtol=1e-5, atol=1e-6)

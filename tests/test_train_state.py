@@ -1,5 +1,6 @@
 """Tests for joyagents_jax.train_state: stacked agents, per-agent optimizers, masked updates."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,7 +8,7 @@ import optax
 import pytest
 
 from joyagents_jax import train_state as ts
-from joyagents_jax.models import qwen2
+from joyagents_jax.models import lora, qwen2
 
 SUB = qwen2.Qwen2Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=1,
                         num_heads=4, num_kv_heads=2)
@@ -130,6 +131,26 @@ def test_heterogeneous_state_and_commit():
     rejected = commit(applied, poisoned, jnp.array(True))
     _assert_bitwise_equal(rejected.groups, before)
     assert (int(rejected.step), int(rejected.skipped)) == (1, 2)
+
+
+@pytest.mark.parametrize("per_pass", [None, 1, 2, 5])
+@pytest.mark.parametrize("as_lora", [False, True])
+def test_over_agents_maps_every_agent_in_passes_as_one_vmapped_pass(per_pass, as_lora):
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.normal(size=(3, 4, 2)), jnp.float32)  # [A, D, E]
+    rows = jnp.asarray(rng.normal(size=(3, 5, 4)), jnp.float32)  # [A, B, D]
+    base = jnp.asarray(rng.normal(size=(4, 2)), jnp.float32)
+    params = lora.LoRAParams(base=base, adapters=w, scale=2.0) if as_lora else w
+
+    def fn(p, x, none):  # one agent: p [D, E] (or a base + adapter), x [B, D]
+        assert none is None
+        k = p.base + p.scale * p.adapters if as_lora else p
+        return {"y": x @ k, "sum": jnp.sum(x)}
+
+    got = ts.over_agents(fn, per_pass, params, rows, None)
+    k = base + 2.0 * w if as_lora else w
+    chex.assert_trees_all_close(got, {"y": jnp.einsum("abd,ade->abe", rows, k),
+                                      "sum": jnp.sum(rows, axis=(1, 2))}, rtol=1e-6)
 
 
 def test_jit_step_donates_the_state():

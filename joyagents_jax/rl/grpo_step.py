@@ -11,13 +11,13 @@ One step:
   1. advantages per node group, top-K node groups (or agents) by reward variance, per-sample
      weights and the per-agent update mask;
   2. a forward of the reference policies (logp_ref, when beta > 0);
-  3. mu optimizer steps over the same batch (`lax.scan`), each agent vmapped (or mapped in
-     passes of `agents_per_pass` agents), unselected agents keeping params and optimizer
-     state bit for bit. With `micro_batch`, each agent's
-     gradient (and the reference forward) runs over micro-batches of rows and accumulates to
-     the full-batch gradient, bounding activation memory. logp_old is the first inner step's own
-     forward (taken before any update, so it is the rollout policy's log-prob) and is kept for
-     the later inner steps: no extra forward pass;
+  3. mu optimizer steps over the same batch (`lax.scan`), each agent vmapped (or in passes of
+     `agents_per_pass` agents), unselected agents keeping params and optimizer state bit for
+     bit. With `micro_batch`, each agent's gradient (and the reference forward) runs over
+     micro-batches of rows and accumulates to the full-batch gradient, bounding activation
+     memory. logp_old is the first inner step's own forward (taken before any update, so it
+     is the rollout policy's log-prob) and is kept for the later inner steps: no extra
+     forward pass;
   4. a non-finite loss or gradient in any inner step drops the whole step (counted).
 
 Sharded: `make_grpo_step(cfg, in_shardings=(state_sh, batch_shardings(batch, mesh)),
@@ -37,7 +37,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from joyagents_jax import train_state as ts
-from joyagents_jax.models import lora, qwen2
+from joyagents_jax.models import qwen2
 from joyagents_jax.rl import grpo
 from joyagents_jax.sft import next_token_logits
 
@@ -59,7 +59,7 @@ class GRPOStepConfig:
     # Agents of a group in one vmapped gradient (and reference) pass; the passes run one after
     # another (`lax.map`). None: every agent of a group in one pass. Fewer bounds activation
     # memory to that many agents and, on CPU, runs unbatched matmul kernels: at 30M
-    # parameters one agent per pass made the 5-agent step 1.35x faster (benchmarks/RESULTS.md,
+    # parameters one agent per pass made the 5-agent step 1.38x faster (benchmarks/RESULTS.md,
     # "One agent per pass"). The agents' results are the same up to rounding.
     agents_per_pass: int | None = None
 
@@ -267,18 +267,6 @@ def _check_batch(state: ts.TrainState, batch: GRPOBatch) -> None:
                              f"{group.num_agents} agents.")
 
 
-def over_agents(fn, per_pass: int | None, params: qwen2.Params | lora.LoRAParams, *rows):
-    """fn(params of agent a, *rows[a]) for every agent a: params stacked [A, ...] (a LoRA base
-    shared), rows [A, ...] (None allowed). One vmapped pass of all agents (per_pass None), or
-    passes of `per_pass` agents one after another (`lax.map`)."""
-    if per_pass is None:
-        return jax.vmap(fn, in_axes=(lora.agent_axes(params),) + (0,) * len(rows))(params, *rows)
-    if isinstance(params, lora.LoRAParams):
-        one = lambda a: fn(params.replace(adapters=a[0]), *a[1:])
-        return jax.lax.map(one, (params.adapters, *rows), batch_size=per_pass)
-    return jax.lax.map(lambda a: fn(*a), (params, *rows), batch_size=per_pass)
-
-
 def _reference_logprobs(group: ts.AgentGroup, r: Rollouts, loss: grpo.GRPOConfig,
                         micro_batch: int | None = None, per_pass: int | None = None
                         ) -> jax.Array | None:
@@ -299,7 +287,7 @@ def _reference_logprobs(group: ts.AgentGroup, r: Rollouts, loss: grpo.GRPOConfig
         return jax.lax.map(per_micro, (_micro(tokens, size), _micro(mask, size))).reshape(
             rows, -1)
 
-    return over_agents(one_agent, per_pass, references, r.tokens, r.mask)
+    return ts.over_agents(one_agent, per_pass, references, r.tokens, r.mask)
 
 
 def _inner_step(cfg: GRPOStepConfig, inputs: dict, updates: dict[str, jax.Array], carry,
@@ -314,7 +302,7 @@ def _inner_step(cfg: GRPOStepConfig, inputs: dict, updates: dict[str, jax.Array]
     for name, group in groups.items():
         grad_fn = functools.partial(agent_grads, group.model, cfg.loss, cfg.micro_batch, first,
                                     group.view)
-        grads, metrics[name], new_old[name] = over_agents(
+        grads, metrics[name], new_old[name] = ts.over_agents(
             grad_fn, cfg.agents_per_pass, group.params, logp_old[name], *inputs[name])
         metrics[name]["grad_norm"] = norms = ts.global_norms(grads)
         new_groups[name] = ts.apply_gradients(group, grads, updates[name])

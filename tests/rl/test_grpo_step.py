@@ -229,26 +229,6 @@ def test_micro_batches_accumulate_to_the_full_batch_step(aggregation):
     assert int(micro_m["kept_groups"]) == int(full_m["kept_groups"]) == 3
 
 
-@pytest.mark.parametrize("per_pass", [None, 1, 2, 5])
-@pytest.mark.parametrize("as_lora", [False, True])
-def test_over_agents_maps_every_agent_in_passes_as_one_vmapped_pass(per_pass, as_lora):
-    rng = np.random.default_rng(0)
-    w = jnp.asarray(rng.normal(size=(3, 4, 2)), jnp.float32)  # [A, D, E]
-    rows = jnp.asarray(rng.normal(size=(3, 5, 4)), jnp.float32)  # [A, B, D]
-    base = jnp.asarray(rng.normal(size=(4, 2)), jnp.float32)
-    params = lora.LoRAParams(base=base, adapters=w, scale=2.0) if as_lora else w
-
-    def fn(p, x, none):  # one agent: p [D, E] (or a base + adapter), x [B, D]
-        assert none is None
-        k = p.base + p.scale * p.adapters if as_lora else p
-        return {"y": x @ k, "sum": jnp.sum(x)}
-
-    got = gs.over_agents(fn, per_pass, params, rows, None)
-    k = base + 2.0 * w if as_lora else w
-    chex.assert_trees_all_close(got, {"y": jnp.einsum("abd,ade->abe", rows, k),
-                                      "sum": jnp.sum(rows, axis=(1, 2))}, rtol=1e-6)
-
-
 @pytest.mark.parametrize("per_pass,as_lora", [(1, False), (2, True)])
 def test_agents_in_passes_give_the_one_pass_step(step, per_pass, as_lora):
     """The same params, optimizer states and metrics, up to rounding, with the agents of a group
