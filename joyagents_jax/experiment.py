@@ -87,7 +87,8 @@ class Experiment:
         self.samplers = {g: Sampler(m, pad_id=self.tokenizer.pad_id, tokenizer=self.tokenizer,
                                     min_prompt_bucket=config.sampler.min_prompt_bucket,
                                     min_batch_bucket=config.sampler.min_batch_bucket,
-                                    mesh=self.mesh)
+                                    mesh=self.mesh,
+                                    agents_per_pass=self.parts.grpo_step.agents_per_pass)
                          for g, m in self.models.items()}
         self.min_rows = sharding.data_parallel_size(dict(self.mesh.shape)) if self.mesh else 1
         if config.sft.batch_per_agent % self.min_rows:

@@ -8,7 +8,7 @@ needs).
 
 `Sampler` is the host wrapper: it left-pads prompts into power-of-two buckets (bounded
 recompiles, counted in `Sampler.compiles`), validates input, applies stop strings that token
-matching cannot see, and picks or vmaps agents of a stacked agent group.
+matching cannot see, and picks or vmaps (or maps, in passes) agents of a stacked agent group.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from joyagents_jax import distributed, sharding
+from joyagents_jax import train_state as ts
 from joyagents_jax.models import lora, qwen2
 from joyagents_jax.models.qwen2 import Params, Qwen2Config
 
@@ -220,11 +221,13 @@ class Sampler:
     def __init__(self, cfg: Qwen2Config, *, pad_id: int, tokenizer=None,
                  max_cache_length: int | None = None, min_prompt_bucket: int = 16,
                  min_batch_bucket: int = 1, mesh: jax.sharding.Mesh | None = None,
-                 decode_block: int = BLOCK):
+                 decode_block: int = BLOCK, agents_per_pass: int | None = None):
         """tokenizer: needed for stop strings; its vocab_size also bounds the drawn ids.
         mesh: prompts are split over its data-parallel axes and the samples come back
         replicated, so every process reads them all (params keep their own shardings).
-        decode_block: decode steps between appends to the generated cache (`generate_arrays`)."""
+        decode_block: decode steps between appends to the generated cache (`generate_arrays`).
+        agents_per_pass: agents of a stacked group decoded in one vmapped pass by
+        `generate_per_agent`, the passes one after another (None: all agents at once)."""
         self.cfg, self.pad_id, self.tokenizer = cfg, pad_id, tokenizer
         self.max_cache_length = max_cache_length or cfg.max_position_embeddings
         self.mesh, self.data_parallel = mesh, 1
@@ -248,8 +251,8 @@ class Sampler:
         out = {} if mesh is None else {"out_shardings": NamedSharding(mesh, P())}
         self._one = jax.jit(core, static_argnums=(0, 1), **out)
         def per_agent(scfg, group_size, params, *args):  # only LoRA adapters carry the axis
-            axes = (lora.agent_axes(params),) + (0,) * len(args)
-            return jax.vmap(lambda *a: core(scfg, group_size, *a), in_axes=axes)(params, *args)
+            return ts.over_agents(lambda *a: core(scfg, group_size, *a), agents_per_pass,
+                                  params, *args)
 
         self._per_agent = jax.jit(per_agent, static_argnums=(0, 1), **out)
 

@@ -216,6 +216,22 @@ def test_stacked_agents_pick_and_vmap():
         np.testing.assert_array_equal(picked.tokens, alone.tokens)
 
 
+def test_agents_in_passes_sample_as_one_vmapped_pass():
+    """Three stacked agents decoded in passes of two (then one) draw the same tokens with the
+    same log-probs as one vmapped pass, from the same key."""
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *(_tiny(seed=s)[1] for s in range(3)))
+    cfg = _tiny()[0]
+    per_agent = [PROMPTS[:2], PROMPTS[2:], PROMPTS[1:3]]
+    run = lambda sampler: sampler.generate_per_agent(
+        stacked, per_agent, key=jax.random.key(3), scfg=SamplingConfig(6), group_size=2)
+    one, passes = run(Sampler(cfg, pad_id=0)), run(Sampler(cfg, pad_id=0, agents_per_pass=2))
+    for a, b in zip(one, passes, strict=True):
+        np.testing.assert_array_equal(b.tokens, a.tokens)
+        np.testing.assert_array_equal(b.lengths, a.lengths)
+        np.testing.assert_allclose(b.logp_policy, a.logp_policy, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(b.logp_sample, a.logp_sample, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(prompts=[[1, 2], []]), "Prompt 1 is empty"),
     (dict(prompts=[]), "No prompts given"),
