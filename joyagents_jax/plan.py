@@ -254,8 +254,9 @@ def format_plan(plan: Plan, capacity: int | None = None, full_ft: Plan | None = 
                        f"{f', micro {pc.micro_batch}' if pc.micro_batch else ''}"
                        f"{f', {pc.agents_per_pass} agent(s) per pass' if pc.agents_per_pass else ''})",
     }
-    row = lambda label, dev, tot: f"  {label:<52}{dev / GiB:>12.2f}{tot / GiB:>14.2f}"
-    lines.append(f"  {'GiB':<52}{'per device':>12}{'whole system':>14}")
+    width = max(52, *(len(label) + 2 for label in labels.values()))
+    row = lambda label, dev, tot: f"  {label:<{width}}{dev / GiB:>12.2f}{tot / GiB:>14.2f}"
+    lines.append(f"  {'GiB':<{width}}{'per device':>12}{'whole system':>14}")
     lines += [row(labels[r], plan.per_device(r), plan.total(r)) for r in ROWS]
     peak = sum(plan.per_device(r) for r in ROWS)
     lines.append(row("total", peak, sum(plan.total(r) for r in ROWS)))

@@ -1,6 +1,6 @@
-"""`joyagents plan`: exact byte counts on a tiny system (in process, 1 device, no compile) and
-the compiled 3B+3B plan on 8 simulated devices (a subprocess: `--cpu-devices 8` must precede
-JAX's start)."""
+"""`joyagents plan`: exact byte counts on a tiny system (in process, 1 device, no compile), the
+activations of agents in passes (tiny, compiled) and the compiled 3B+3B plan on 8 simulated
+devices (a subprocess: `--cpu-devices 8` must precede JAX's start)."""
 
 import dataclasses
 import math
@@ -52,6 +52,16 @@ def test_format_plan_lists_every_row(tiny_plan):
                   "KV cache (rollout 2 x 32", "activations, temps (train 2 x 16)", "total"):
         assert label in text
     assert "device memory 1.00 GiB: fits" in text
+
+
+def test_agents_in_passes_plan_less_activation_memory():
+    pc = plan.PlanConfig(groups=(("tiny", 4),), train_batch=4, seq_len=64, rollout_batch=2,
+                         cache_len=32)
+    one_pass = plan.make_plan(pc)
+    passes = plan.make_plan(dataclasses.replace(pc, agents_per_pass=1))
+    assert 0 < passes.total("activations") < one_pass.total("activations")
+    text = plan.format_plan(passes, capacity=1 << 30)
+    assert "activations, temps (train 4 x 64, 1 agent(s) per pass)" in text
 
 
 def test_parse_groups():
