@@ -34,10 +34,12 @@ def get_config() -> ml_collections.ConfigDict:
     c.mesh = ""  # e.g. "fsdp=-1" or "data=2,fsdp=4": state and batches sharded; "": one device
     c.max_len = 384  # longest training sequence (context + output); longer rollouts are dropped
     c.pad_to_max_len = True  # one GRPO-step shape: compiles once (a CPU compile costs ~30 steps)
-    # Agents of a group in one vmapped gradient pass of the SFT and GRPO steps; the passes run
-    # one after another (0: every agent at once). One per pass bounds activation memory to one
-    # agent's, and on CPU runs unbatched matmul kernels: the default's SFT step 1.55x and GRPO
-    # update 1.3x faster, every result equal (benchmarks/RESULTS.md, "One agent per pass").
+    # Agents of a group in one vmapped pass of the SFT step, the GRPO step and the rollouts'
+    # decoding; the passes run one after another (0: every agent at once). One per pass bounds
+    # activation memory to one agent's and on CPU runs unbatched matmul kernels: the default's
+    # SFT step 1.55x, GRPO update 1.3x and decoding ~1.5x faster. Its SFT differs from the one
+    # pass's in the last bits, so a seed ends elsewhere, as on another CPU (benchmarks/
+    # RESULTS.md, "One agent per pass").
     c.agents_per_pass = 1
     # Sampler shape buckets: prompts and batches are padded at least to these.
     c.sampler = ml_collections.ConfigDict(dict(min_prompt_bucket=256, min_batch_bucket=4))

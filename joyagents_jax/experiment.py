@@ -84,11 +84,11 @@ class Experiment:
         self.group_sizes = {g: len(spec.agents) for g, spec in config.groups.items()}
         self.offsets = ts.offsets_of_sizes(self.group_sizes)
         self.mesh = sharding.make_mesh(config.mesh) if config.mesh else None
+        per_pass = config.agents_per_pass or None
         self.samplers = {g: Sampler(m, pad_id=self.tokenizer.pad_id, tokenizer=self.tokenizer,
                                     min_prompt_bucket=config.sampler.min_prompt_bucket,
                                     min_batch_bucket=config.sampler.min_batch_bucket,
-                                    mesh=self.mesh,
-                                    agents_per_pass=self.parts.grpo_step.agents_per_pass)
+                                    mesh=self.mesh, agents_per_pass=per_pass)
                          for g, m in self.models.items()}
         self.min_rows = sharding.data_parallel_size(dict(self.mesh.shape)) if self.mesh else 1
         if config.sft.batch_per_agent % self.min_rows:
@@ -97,7 +97,6 @@ class Experiment:
                              f"multiple of it.")
         self.demos = self._demonstrations()
         self.grpo_pool = self._grpo_pool()
-        per_pass = self.parts.grpo_step.agents_per_pass
         self._makers = {"sft": functools.partial(sft.make_sft_step, agents_per_pass=per_pass),
                         "shared_sft": functools.partial(sft.make_sft_step, shared=True,
                                                         agents_per_pass=per_pass),

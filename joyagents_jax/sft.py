@@ -1,7 +1,8 @@
 """Supervised warm start: teacher-forced cross-entropy on each agent's own output tokens.
 
 Every agent of every group trains in one jitted step (vmap over the agent axis, or passes of
-`agents_per_pass` agents); each agent sees only its own demonstrations. Prompt and observation tokens are context, not targets: the loss
+`agents_per_pass` agents); each agent sees only its own demonstrations. Prompt and observation
+tokens are context, not targets: the loss
 mask selects the tokens the agent itself would generate.
 """
 
