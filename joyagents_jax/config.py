@@ -37,9 +37,9 @@ def get_config() -> ml_collections.ConfigDict:
     # Agents of a group in one vmapped pass of the SFT step, the GRPO step and the rollouts'
     # decoding; the passes run one after another (0: every agent at once). One per pass bounds
     # activation memory to one agent's and on CPU runs unbatched matmul kernels: the default's
-    # SFT step 1.55x, GRPO update 1.3x and decoding ~1.5x faster. Its SFT differs from the one
-    # pass's in the last bits, so a seed ends elsewhere, as on another CPU (benchmarks/
-    # RESULTS.md, "One agent per pass").
+    # SFT step 1.55x and GRPO update ~1.2x faster (the README command 5:59 instead of 7:43).
+    # Its SFT differs from the one pass's in the last bits, so a seed ends elsewhere, as on
+    # another CPU (benchmarks/RESULTS.md, "One agent per pass").
     c.agents_per_pass = 1
     # Sampler shape buckets: prompts and batches are padded at least to these.
     c.sampler = ml_collections.ConfigDict(dict(min_prompt_bucket=256, min_batch_bucket=4))
