@@ -219,14 +219,18 @@ def test_micro_batches_accumulate_to_the_full_batch_step(aggregation):
     micro_cfg = gs.GRPOStepConfig(loss=loss, topk=3, inner_steps=2, micro_batch=2)
     full, full_m = gs.make_grpo_step(full_cfg)(_fresh_state(), _batch())
     micro, micro_m = gs.make_grpo_step(micro_cfg)(_fresh_state(), _batch())
-
-    for a, b in zip(jax.tree.leaves(full.groups), jax.tree.leaves(micro.groups), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
-    for name in ("subs", "master"):
-        for key, value in full_m["agents"][name].items():
-            np.testing.assert_allclose(micro_m["agents"][name][key], value, rtol=1e-5,
-                                       atol=1e-6, err_msg=f"{name} {key}")
+    _assert_same_step(micro, micro_m, full, full_m)
     assert int(micro_m["kept_groups"]) == int(full_m["kept_groups"]) == 3
+
+
+def _assert_same_step(got, got_m, want, want_m):
+    """Two steps' params, optimizer states and per-agent metrics agree up to rounding."""
+    for a, b in zip(jax.tree.leaves(want.groups), jax.tree.leaves(got.groups), strict=True):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
+    for name in ("subs", "master"):
+        for key, value in want_m["agents"][name].items():
+            np.testing.assert_allclose(got_m["agents"][name][key], value, rtol=1e-5,
+                                       atol=1e-6, err_msg=f"{name} {key}")
 
 
 @pytest.mark.parametrize("per_pass,as_lora", [(1, False), (2, True)])
@@ -238,12 +242,7 @@ def test_agents_in_passes_give_the_one_pass_step(step, per_pass, as_lora):
     passes, passes_m = gs.make_grpo_step(dataclasses.replace(STEP_CFG, agents_per_pass=per_pass))(
         fresh(), _batch())
     assert int(passes.skipped) == int(one.skipped) == 0
-    for a, b in zip(jax.tree.leaves(one.groups), jax.tree.leaves(passes.groups), strict=True):
-        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
-    for name in ("subs", "master"):
-        for key, value in one_m["agents"][name].items():
-            np.testing.assert_allclose(passes_m["agents"][name][key], value, rtol=1e-5,
-                                       atol=1e-6, err_msg=f"{name} {key}")
+    _assert_same_step(passes, passes_m, one, one_m)
 
 
 def test_agents_per_pass_below_one_is_refused():
