@@ -145,8 +145,9 @@ def model_config(model: str, **dtypes) -> qwen2.Qwen2Config:
 
 def make_group(pc: PlanConfig, mesh: jax.sharding.Mesh, preset: str, agents: int) -> Group:
     """`agents` copies of `preset` (a preset name or an HF folder): params, per-agent AdamW
-    state, reference, KV cache. With LoRA, params, AdamW state and reference are the agents'
-    adapters (f32) and the base is stored once, in the compute dtype."""
+    state, reference, KV cache (of one pass's agents with `agents_per_pass`). With LoRA,
+    params, AdamW state and reference are the agents' adapters (f32) and the base is stored
+    once, in the compute dtype."""
     cfg = model_config(preset, param_dtype=pc.param_dtype, dtype=pc.compute_dtype, remat=pc.remat)
     ref_cfg = cfg.replace(param_dtype=pc.ref_dtype)
     if pc.lora:
@@ -161,7 +162,9 @@ def make_group(pc: PlanConfig, mesh: jax.sharding.Mesh, preset: str, agents: int
         "optimizer": jax.eval_shape(jax.vmap(optimizer().init), params),
         "reference": reference,
         "base": base,
-        "kv_cache": kv_cache_shape(cfg, agents, pc.rollout_batch, pc.cache_len),
+        # Agents in passes decode one pass at a time: only that pass's caches are live.
+        "kv_cache": kv_cache_shape(cfg, min(agents, pc.agents_per_pass or agents),
+                                   pc.rollout_batch, pc.cache_len),
     }
     shardings = {row: sharding.param_shardings(
         mesh, tree, KV_RULES if row == "kv_cache" else sharding.DEFAULT_RULES,
@@ -249,7 +252,8 @@ def format_plan(plan: Plan, capacity: int | None = None, full_ft: Plan | None = 
                       f"reference policy ({pc.ref_dtype})"),
         "base": (f"frozen base, once per group ({pc.compute_dtype})" if pc.lora else
                  "frozen base (none: full fine-tuning)"),
-        "kv_cache": f"KV cache (rollout {pc.rollout_batch} x {pc.cache_len}, {pc.compute_dtype})",
+        "kv_cache": f"KV cache (rollout {pc.rollout_batch} x {pc.cache_len}, {pc.compute_dtype}"
+                    f"{f', {pc.agents_per_pass} agent(s) per pass' if pc.agents_per_pass else ''})",
         "activations": f"activations, temps (train {pc.train_batch} x {pc.seq_len}"
                        f"{f', micro {pc.micro_batch}' if pc.micro_batch else ''}"
                        f"{f', {pc.agents_per_pass} agent(s) per pass' if pc.agents_per_pass else ''})",

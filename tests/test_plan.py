@@ -54,14 +54,16 @@ def test_format_plan_lists_every_row(tiny_plan):
     assert "device memory 1.00 GiB: fits" in text
 
 
-def test_agents_in_passes_plan_less_activation_memory():
+def test_agents_in_passes_plan_less_activation_and_kv_cache_memory():
     pc = plan.PlanConfig(groups=(("tiny", 4),), train_batch=4, seq_len=64, rollout_batch=2,
                          cache_len=32)
     one_pass = plan.make_plan(pc)
     passes = plan.make_plan(dataclasses.replace(pc, agents_per_pass=1))
     assert 0 < passes.total("activations") < one_pass.total("activations")
+    assert passes.total("kv_cache") * 4 == one_pass.total("kv_cache")  # one agent's live at once
     text = plan.format_plan(passes, capacity=1 << 30)
     assert "activations, temps (train 4 x 64, 1 agent(s) per pass)" in text
+    assert "KV cache (rollout 2 x 32, bfloat16, 1 agent(s) per pass)" in text
 
 
 def test_parse_groups():
