@@ -2,7 +2,7 @@
 counted and timed per jitted function.
 
     python benchmarks/compiles.py --root R --seed 0 --steps 12
-    python benchmarks/compiles.py --root R --set grpo.agents_per_pass=1   # another GRPO config
+    python benchmarks/compiles.py --root R --set agents_per_pass=0   # the GRPO phase otherwise
 
 From the seed's end-of-SFT checkpoint (`R/sft_s<seed>`, trained first when missing, as
 `learning_study.py` does; `R/data` holds the suite), runs `--steps` GRPO iterations of the
@@ -133,8 +133,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--cache-dir", default="", help="persistent compilation cache ('': off)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="a GRPO or memory config override (the SFT checkpoint is the "
-                             "default's), e.g. grpo.agents_per_pass=1")
+                        help="a config override for the GRPO phase (the SFT checkpoint is "
+                             "the default's), e.g. agents_per_pass=0")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(
         __file__)), "results", "compiles.json"))
     args = parser.parse_args()

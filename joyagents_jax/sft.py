@@ -2,8 +2,8 @@
 
 Every agent of every group trains in one jitted step (vmap over the agent axis, or passes of
 `agents_per_pass` agents); each agent sees only its own demonstrations. Prompt and observation
-tokens are context, not targets: the loss
-mask selects the tokens the agent itself would generate.
+tokens are context, not targets: the loss mask selects the tokens the agent itself would
+generate.
 """
 
 from __future__ import annotations
