@@ -110,7 +110,7 @@ def main():
     parser.add_argument("--remat", action="store_true", help="rematerialize each layer (the "
                         "Qwen configs' setting); MFU still counts model FLOPs only")
     parser.add_argument("--agents-per-pass", type=int, default=0,
-                        help="grpo.agents_per_pass: agents per vmapped pass (0: all in one)")
+                        help="config.agents_per_pass: agents per vmapped pass (0: all in one)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                       "results", "train_step.json"))
     args = parser.parse_args()
