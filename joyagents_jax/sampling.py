@@ -30,6 +30,7 @@ from joyagents_jax.models.qwen2 import Params, Qwen2Config
 
 NO_TOKEN = -1  # padding in stop tables; never a real token id
 BLOCK = 16  # decode steps between appends to the generated tokens' cache
+PHASES = 4  # sizes of the generated tokens' cache that decoding grows through
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +123,7 @@ def _ends_with(history: jax.Array, seqs: jax.Array) -> jax.Array:
 def generate_arrays(cfg: Qwen2Config, scfg: SamplingConfig, group_size: int, params: Params,
                     tokens: jax.Array, mask: jax.Array, stop_ids: jax.Array, stop_seqs: jax.Array,
                     key: jax.Array, pad_id: int = 0, vocab_limit: int | None = None,
-                    block: int = BLOCK) -> Samples:
+                    block: int = BLOCK, phases: int = PHASES) -> Samples:
     """Pure generation for left-padded prompts.
 
     tokens/mask [B, P]; stop_ids [B, S] and stop_seqs [B, M, W] (NO_TOKEN padded, stop_seqs
@@ -131,12 +132,14 @@ def generate_arrays(cfg: Qwen2Config, scfg: SamplingConfig, group_size: int, par
     Qwen2.5's 151936-row embedding over 151665 tokens) are never drawn. Returns `Samples` with
     N = scfg.max_new_tokens.
 
-    Decoding never writes a cache that the same step reads (XLA would copy it): the B*G rows
-    read the prompts' cache (one per prompt, shared by its G samples) and the cache of the
+    Decoding copies no cache (XLA copies a buffer that a step reads and then writes): the B*G
+    rows read the prompts' cache (one per prompt, shared by its G samples) and the cache of the
     tokens generated before the current block of `block` steps, both read-only inside the
-    block; a block's own keys and values go to a small buffer that is appended to the
-    generated cache when the block ends. Layers are unrolled with per-layer weights and caches,
-    so no step slices a stacked buffer.
+    block; each step writes its keys and values into the block's small buffer before reading
+    it (`qwen2.hidden_states`), and the buffer is appended to the generated cache when the block
+    ends. That cache grows through `phases` sizes, one decode loop each, so early steps do not
+    read the slots of tokens still to come. Layers are unrolled with per-layer weights and
+    caches, so no step slices a stacked buffer; RoPE angles are tabled once for all positions.
     """
     b, p = tokens.shape
     g, n = group_size, scfg.max_new_tokens
@@ -157,8 +160,10 @@ def generate_arrays(cfg: Qwen2Config, scfg: SamplingConfig, group_size: int, par
     repeat = lambda x: jnp.repeat(x, g, axis=0)
     logits, stop_ids, stop_seqs = repeat(logits), repeat(stop_ids), repeat(stop_seqs)
     next_pos = repeat(positions[:, -1] + 1)
+    table = qwen2.rope_tables(jnp.arange(p + n), cfg.head_dim, cfg.rope_theta)  # [P + N, Hd / 2]
     cache_dtype = prompt.k[0].dtype
-    generated = qwen2.init_cache(dcfg, rows, -(-n // width) * width, cache_dtype)
+    blocks = -(-n // width)
+    ends = sorted({-(-blocks * (i + 1) // phases) * width for i in range(phases)})
 
     def running(step, done):
         return (step < n) & ~jnp.all(done)
@@ -175,9 +180,8 @@ def generate_arrays(cfg: Qwen2Config, scfg: SamplingConfig, group_size: int, par
         history = jnp.concatenate([history[:, 1:], tok[:, None]], axis=1)
         hit = live & (jnp.any(tok[:, None] == stop_ids, axis=-1) | _ends_with(history, stop_seqs))
         lengths = jnp.where(hit, step + 1, lengths)
-        hidden, k, v = qwen2.run_layers(dcfg, layers, tok[:, None], pos[:, None], live[:, None],
-                                        (prompt, generated, blk))
-        blk = qwen2.append(blk, k, v, live[:, None])
+        hidden, blk = qwen2.hidden_states(dcfg, layers, tok[:, None], pos[:, None], live[:, None],
+                                          blk, (prompt, generated), [t[pos][:, None] for t in table])
         logits = qwen2.unembed(cfg, params, hidden[:, 0])
         return step + 1, out, lp_s, lp_p, history, done | hit, lengths, blk, logits, pos + 1, key
 
@@ -191,10 +195,14 @@ def generate_arrays(cfg: Qwen2Config, scfg: SamplingConfig, group_size: int, par
         return (generated, *inner[:7], *inner[8:])
 
     zeros = jnp.zeros((rows, n), jnp.float32)
-    state = (generated, jnp.zeros((), jnp.int32), jnp.full((rows, n), pad_id, jnp.int32), zeros,
-             zeros, jnp.full((rows, window), NO_TOKEN, jnp.int32), jnp.zeros((rows,), bool),
+    state = (qwen2.init_cache(dcfg, rows, ends[0], cache_dtype), jnp.zeros((), jnp.int32),
+             jnp.full((rows, n), pad_id, jnp.int32), zeros, zeros,
+             jnp.full((rows, window), NO_TOKEN, jnp.int32), jnp.zeros((rows,), bool),
              jnp.full((rows,), n, jnp.int32), logits, next_pos, key)
-    state = jax.lax.while_loop(lambda s: running(s[1], s[6]), decode_block, state)
+    for end in ends:  # each phase attends to a generated cache of `end` slots
+        state = (qwen2.grow(state[0], end), *state[1:])
+        state = jax.lax.while_loop(lambda s: running(s[1], s[6]) & (s[0].index < end),
+                                   decode_block, state)
     _, _, out, lp_s, lp_p, _, done, lengths, _, _, _ = state
 
     shape = lambda x: x.reshape((b, g) + x.shape[1:])
@@ -221,11 +229,14 @@ class Sampler:
     def __init__(self, cfg: Qwen2Config, *, pad_id: int, tokenizer=None,
                  max_cache_length: int | None = None, min_prompt_bucket: int = 16,
                  min_batch_bucket: int = 1, mesh: jax.sharding.Mesh | None = None,
-                 decode_block: int = BLOCK, agents_per_pass: int | None = None):
+                 decode_block: int = BLOCK, decode_phases: int = PHASES,
+                 agents_per_pass: int | None = None):
         """tokenizer: needed for stop strings; its vocab_size also bounds the drawn ids.
         mesh: prompts are split over its data-parallel axes and the samples come back
         replicated, so every process reads them all (params keep their own shardings).
         decode_block: decode steps between appends to the generated cache (`generate_arrays`).
+        decode_phases: sizes the generated cache grows through (`generate_arrays`): more
+        phases read fewer empty slots but compile one more decode loop each.
         agents_per_pass: agents of a stacked group decoded in one vmapped pass by
         `generate_per_agent`, the passes one after another (None: all agents at once)."""
         self.cfg, self.pad_id, self.tokenizer = cfg, pad_id, tokenizer
@@ -246,7 +257,8 @@ class Sampler:
             self.compiles += 1
             self.prefill_shapes.append(tuple(tokens.shape[-2:]))
             return generate_arrays(cfg, scfg, group_size, params, tokens, mask, stop_ids,
-                                   stop_seqs, key, pad_id, vocab_limit, decode_block)
+                                   stop_seqs, key, pad_id, vocab_limit, decode_block,
+                                   decode_phases)
 
         out = {} if mesh is None else {"out_shardings": NamedSharding(mesh, P())}
         self._one = jax.jit(core, static_argnums=(0, 1), **out)

@@ -126,13 +126,15 @@ def test_sampling_frequencies_match_softmax():
     np.testing.assert_array_less(np.abs(freq - p), 5 * np.sqrt(p * (1 - p) / n) + 1e-3)
 
 
-@pytest.mark.parametrize("block", [1, 3, 16])
-def test_decode_block_size_changes_no_sample(block):
-    """Blocks only decide when the generated cache is appended to: same key, same samples."""
+@pytest.mark.parametrize("block, phases", [(1, 1), (3, 1), (16, 1), (3, 2), (3, 4), (1, 11),
+                                           (3, 9)])
+def test_decode_blocks_and_phases_change_no_sample(block, phases):
+    """Blocks decide when the generated cache is appended to, phases how many slots of it a
+    step reads (more phases than blocks: one block each): same key, same samples."""
     cfg, params = _tiny()
-    run = lambda b: Sampler(cfg, pad_id=0, decode_block=b).generate(
+    run = lambda b, p: Sampler(cfg, pad_id=0, decode_block=b, decode_phases=p).generate(
         params, PROMPTS, key=jax.random.key(2), group_size=3, scfg=SamplingConfig(11))
-    ref, out = run(11), run(block)
+    ref, out = run(11, 1), run(block, phases)
     np.testing.assert_array_equal(out.tokens, ref.tokens)
     np.testing.assert_allclose(out.logp_policy, ref.logp_policy, atol=1e-5)
 

@@ -23,8 +23,9 @@ projection then adds its low-rank path, without merging the adapter into the ker
 Batches are left padded: `mask [B, T]` marks real tokens and `positions [B, T]` are per-row RoPE
 positions (`positions_from_mask`). KV caches are explicit pytree arguments: `run_layers` reads
 any number of them read-only (a cache may hold one row per G query rows: the samples of one
-prompt share its keys) and returns the new tokens' keys and values, which `append` writes
-(values are stored slot-minor, [.., Hd, S], which made decode attention ~3x faster on CPU).
+prompt share its keys) and returns the new tokens' keys and values, which `append` writes, or
+writes them into one cache that it then reads (`hidden_states`); values are stored slot-minor,
+[.., Hd, S], which made decode attention ~3x faster on CPU.
 """
 
 from __future__ import annotations
@@ -300,12 +301,14 @@ def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array
 
 
 def decoder_layer(cfg: Qwen2Config, p: Params, x: jax.Array, rope, allowed: jax.Array,
-                  past: Sequence[tuple[jax.Array, jax.Array, jax.Array]] = ()):
+                  past: Sequence[tuple[jax.Array, jax.Array, jax.Array]] = (), into=None):
     """One pre-norm block. x [B, T, D], allowed [B, T, T] among the new tokens.
 
     past: this layer's read-only cache segments (k [Bs, K, S, Hd], v [Bs, K, Hd, S], allowed
     [Bs, T or 1, S]), see `attention`. Returns the new x and the new tokens' (k, v) in the
-    cache layout for the caller to write.
+    cache layout for the caller to write. into: (k [B, K, S, Hd], v [B, K, Hd, S], allowed
+    [B, T, S], index) that takes the new tokens' k/v at slots [index, index + T) before the
+    attention reads it as their segment; the written (k, v) are then returned instead.
     """
     dt = jnp.dtype(cfg.dtype)
     h = rms_norm(x, p["input_norm"]["scale"], cfg.rms_norm_eps)
@@ -313,9 +316,14 @@ def decoder_layer(cfg: Qwen2Config, p: Params, x: jax.Array, rope, allowed: jax.
     q = apply_rope(_dense(h, a["q"], "btd,dnh->btnh", dt), *rope)
     k = apply_rope(_dense(h, a["k"], "btd,dnh->btnh", dt), *rope)  # [B, T, K, Hd]
     v = _dense(h, a["v"], "btd,dnh->btnh", dt)
-    if past:
-        segments = [(k.transpose(0, 2, 1, 3), v.transpose(0, 2, 3, 1), allowed)]
-        out = attention(q, segments + [(pk.astype(dt), pv.astype(dt), m) for pk, pv, m in past])
+    new = (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 3, 1))
+    own = [(*new, allowed)]
+    if into is not None:
+        ik, iv, into_allowed, index = into
+        new = (_write(ik, new[0], 2, index), _write(iv, new[1], 3, index))
+        own = [(new[0].astype(dt), new[1].astype(dt), into_allowed)]
+    if past or into is not None:
+        out = attention(q, own + [(pk.astype(dt), pv.astype(dt), m) for pk, pv, m in past])
     elif cfg.attention_impl == "cudnn":
         out = cudnn_attention(q, k, v, allowed)
     else:
@@ -324,8 +332,7 @@ def decoder_layer(cfg: Qwen2Config, p: Params, x: jax.Array, rope, allowed: jax.
     h = rms_norm(x, p["post_attn_norm"]["scale"], cfg.rms_norm_eps)
     m = p["mlp"]
     gated = jax.nn.silu(_dense(h, m["gate"], "btd,df->btf", dt)) * _dense(h, m["up"], "btd,df->btf", dt)
-    return x + _dense(gated, m["down"], "btf,fd->btd", dt), (k.transpose(0, 2, 1, 3),
-                                                             v.transpose(0, 2, 3, 1))
+    return x + _dense(gated, m["down"], "btf,fd->btd", dt), new
 
 
 def unembed(cfg: Qwen2Config, params: Params | lora.LoRAParams, hidden: jax.Array) -> jax.Array:
@@ -344,12 +351,17 @@ def unembed(cfg: Qwen2Config, params: Params | lora.LoRAParams, hidden: jax.Arra
 # ----------------------------------------------------------------------------------------------
 
 def run_layers(cfg: Qwen2Config, params: Params, tokens: jax.Array, positions: jax.Array,
-               mask: jax.Array, past: Sequence[KVCache] = ()):
+               mask: jax.Array, past: Sequence[KVCache] = (), rope=None,
+               into: KVCache | None = None):
     """Runs every layer on new tokens [B, T] that attend to each other (causally) and to the
     real slots of the read-only caches `past` (each of B or B / G rows, see `attention`).
+    `rope`: the positions' (cos, sin) [B, T, Hd / 2] if already made; a decode loop looks them
+    up in a table made once, since XLA recomputes them inside every layer's rotation otherwise.
 
     Returns final-norm hidden [B, T, D] and the new tokens' k [L, B, K, T, Hd] and v
     [L, B, K, Hd, T] (tuples over unrolled layers, as the cache), for the caller to `append`.
+    With `into`, each layer first writes them into that cache at [index, index + T) and
+    attends to it, and its written k and v are returned instead (`hidden_states`).
     Unrolled layers also accept params whose "layers" is a tuple of per-layer trees
     (`unstack_layers`), which a decode loop slices once instead of at every step.
     """
@@ -358,28 +370,35 @@ def run_layers(cfg: Qwen2Config, params: Params, tokens: jax.Array, positions: j
     mask = mask.astype(bool)
     t = tokens.shape[1]
     x = params["embed"].astype(dt)[tokens]
-    rope = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
+    rope = rope_tables(positions, cfg.head_dim, cfg.rope_theta) if rope is None else rope
     causal = jnp.tril(jnp.ones((t, t), bool))
     allowed = mask[:, None, :] & causal[None]  # [B, T, T]
     # Every real cache slot precedes the new tokens, so a cache needs only its own mask.
     past_allowed = [c.mask[:, None, :] for c in past]
+    if into is not None:  # new token t sees the real slots before index + t + 1
+        slots = jnp.arange(into.length)[None, None, :]
+        into_allowed = _written_mask(into, mask)[:, None, :] & (
+            slots <= into.index + jnp.arange(t)[None, :, None])
 
     def body(x, layer):
-        p, kvs = layer
+        p, kvs, own = layer
         segments = [(k, v, m) for (k, v), m in zip(kvs, past_allowed)]
-        return decoder_layer(cfg, p, x, rope, allowed, segments)
+        own = None if own is None else (*own, into_allowed, into.index)
+        return decoder_layer(cfg, p, x, rope, allowed, segments, own)
 
     if cfg.remat:
         body = jax.checkpoint(body, prevent_cse=False)
+    own = None if into is None else (into.k, into.v)
     if cfg.scan_layers:
-        x, (k, v) = jax.lax.scan(body, x, (params["layers"], [(c.k, c.v) for c in past]))
+        x, (k, v) = jax.lax.scan(body, x, (params["layers"], [(c.k, c.v) for c in past], own))
     else:  # unrolled: faster for shallow models on CPU, same params layout
         layers = params["layers"]
         if not isinstance(layers, tuple):
             layers = unstack_layers(cfg, params)["layers"]
         new = []
         for i in range(cfg.num_layers):
-            x, kv = body(x, (layers[i], [(c.k[i], c.v[i]) for c in past]))
+            x, kv = body(x, (layers[i], [(c.k[i], c.v[i]) for c in past],
+                             None if own is None else (own[0][i], own[1][i])))
             new.append(kv)
         k, v = (tuple(t) for t in zip(*new))
     return rms_norm(x, params["final_norm"]["scale"], cfg.rms_norm_eps), k, v
@@ -401,14 +420,20 @@ def per_layer(x: Any, cfg: Qwen2Config) -> tuple:
 
 
 def hidden_states(cfg: Qwen2Config, params: Params, tokens: jax.Array, positions: jax.Array,
-                  mask: jax.Array, cache: KVCache | None = None) -> tuple[jax.Array, KVCache | None]:
+                  mask: jax.Array, cache: KVCache | None = None, past: Sequence[KVCache] = (),
+                  rope=None) -> tuple[jax.Array, KVCache | None]:
     """tokens/positions/mask [B, T] -> final-norm hidden [B, T, D] and the updated cache.
 
-    Token t attends to real tokens s <= t and, with a cache, to every real cache slot; its
-    keys and values are then written at slots [index, index + T).
+    Token t attends to real tokens s <= t and to every real slot of the cache and of the
+    read-only caches `past`; its keys and values are written at slots [index, index + T) of
+    the cache, inside each layer before its attention reads the cache, so that in a decode
+    loop XLA updates the cache in place instead of copying it. `rope`: see `run_layers`.
     """
-    hidden, k, v = run_layers(cfg, params, tokens, positions, mask, () if cache is None else (cache,))
-    return hidden, None if cache is None else append(cache, k, v, mask)
+    hidden, k, v = run_layers(cfg, params, tokens, positions, mask, past, rope, cache)
+    if cache is None:
+        return hidden, None
+    return hidden, KVCache(k=k, v=v, mask=_written_mask(cache, mask),
+                           index=cache.index + tokens.shape[1])
 
 
 def append(cache: KVCache, k: Any, v: Any, mask: jax.Array) -> KVCache:
@@ -417,8 +442,23 @@ def append(cache: KVCache, k: Any, v: Any, mask: jax.Array) -> KVCache:
     i = cache.index
     return KVCache(k=jax.tree.map(lambda c, x: _write(c, x, c.ndim - 2, i), cache.k, k),
                    v=jax.tree.map(lambda c, x: _write(c, x, c.ndim - 1, i), cache.v, v),
-                   mask=jax.lax.dynamic_update_slice(cache.mask, mask.astype(bool), (0, i)),
-                   index=i + mask.shape[1])
+                   mask=_written_mask(cache, mask), index=i + mask.shape[1])
+
+
+def grow(cache: KVCache, length: int) -> KVCache:
+    """cache with empty slots added after its last one, up to `length` slots."""
+    extra = length - cache.length
+    if extra == 0:
+        return cache
+    pad = lambda x, axis: jnp.pad(x, [(0, extra if a == axis else 0) for a in range(x.ndim)])
+    return KVCache(k=jax.tree.map(lambda x: pad(x, x.ndim - 2), cache.k),
+                   v=jax.tree.map(lambda x: pad(x, x.ndim - 1), cache.v),
+                   mask=pad(cache.mask, 1), index=cache.index)
+
+
+def _written_mask(cache: KVCache, mask: jax.Array) -> jax.Array:
+    """cache.mask [B, S] with mask [B, T] written at slots [index, index + T)."""
+    return jax.lax.dynamic_update_slice(cache.mask, mask.astype(bool), (0, cache.index))
 
 
 def _write(cache: jax.Array, new: jax.Array, axis: int, index: jax.Array) -> jax.Array:

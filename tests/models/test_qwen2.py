@@ -123,6 +123,54 @@ def test_cache_layout_and_append(scan):
         np.testing.assert_array_equal(np.asarray(c)[..., 1:3], x)
 
 
+@pytest.mark.parametrize("scan", [True, False])
+def test_writing_into_the_cache_equals_reading_it_then_appending(scan):
+    """`hidden_states` writes the new tokens into the cache inside each layer and attends to
+    it; the same as reading the cache (beside another read-only one) and appending after."""
+    cfg = qwen2.Qwen2Config(vocab_size=50, hidden_size=32, intermediate_size=64, num_layers=2,
+                            num_heads=4, num_kv_heads=2, scan_layers=scan)
+    params = qwen2.init_params(cfg, jax.random.key(0), std=0.3)
+    fill = lambda c, key: c.replace(
+        k=jax.tree.map(lambda x: jax.random.normal(key, x.shape), c.k),
+        v=jax.tree.map(lambda x: jax.random.normal(key, x.shape), c.v))
+    cache = fill(qwen2.init_cache(cfg, batch=2, length=7), jax.random.key(1)).replace(
+        mask=jnp.array([[0, 1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0, 0]], bool),
+        index=jnp.asarray(3, jnp.int32))
+    other = fill(qwen2.init_cache(cfg, batch=2, length=4), jax.random.key(2)).replace(
+        mask=jnp.array([[1, 1, 0, 1], [0, 1, 1, 1]], bool))
+    tokens, mask = jnp.array([[4, 9, 1], [7, 2, 30]]), jnp.array([[1, 0, 1], [1, 1, 1]], bool)
+    positions = jnp.array([[5, 5, 6], [6, 7, 8]])
+    hidden, written = qwen2.hidden_states(cfg, params, tokens, positions, mask, cache, (other,))
+    ref_hidden, k, v = qwen2.run_layers(cfg, params, tokens, positions, mask, (cache, other))
+    appended = qwen2.append(cache, k, v, mask)
+    np.testing.assert_allclose(hidden, ref_hidden, atol=1e-5, rtol=0)
+    assert int(written.index) == 6
+    np.testing.assert_array_equal(written.mask, appended.mask)
+    for a, b in zip(jax.tree.leaves((written.k, written.v)), jax.tree.leaves((appended.k, appended.v))):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("scan", [True, False])
+def test_grow_adds_empty_slots_after_the_last(scan):
+    cfg = qwen2.Qwen2Config(vocab_size=50, hidden_size=32, intermediate_size=64, num_layers=2,
+                            num_heads=4, num_kv_heads=2, scan_layers=scan)
+    cache = qwen2.init_cache(cfg, batch=2, length=3)
+    cache = cache.replace(k=jax.tree.map(lambda x: x + 1, cache.k),
+                          v=jax.tree.map(lambda x: x + 2, cache.v),
+                          mask=jnp.array([[1, 0, 1], [1, 1, 1]], bool),
+                          index=jnp.asarray(3, jnp.int32))
+    assert qwen2.grow(cache, 3) is cache
+    grown = qwen2.grow(cache, 5)
+    assert grown.length == 5 and int(grown.index) == 3
+    np.testing.assert_array_equal(grown.mask, [[1, 0, 1, 0, 0], [1, 1, 1, 0, 0]])
+    for x in jax.tree.leaves(grown.k):
+        chex.assert_shape(x, x.shape[:-2] + (5, 8))
+        assert (np.asarray(x)[..., :3, :] == 1).all() and not np.asarray(x)[..., 3:, :].any()
+    for x in jax.tree.leaves(grown.v):
+        chex.assert_shape(x, x.shape[:-1] + (5,))
+        assert (np.asarray(x)[..., :3] == 2).all() and not np.asarray(x)[..., 3:].any()
+
+
 def test_shared_segment_attention_equals_repeated_rows():
     """A segment of B / G rows read by G query rows each equals that segment repeated G times."""
     ks = jax.random.split(jax.random.key(0), 6)
