@@ -41,8 +41,11 @@ def get_config() -> ml_collections.ConfigDict:
     # Its SFT differs from the one pass's in the last bits, so a seed ends elsewhere, as on
     # another CPU (benchmarks/RESULTS.md, "One agent per pass").
     c.agents_per_pass = 1
-    # Sampler shape buckets: prompts and batches are padded at least to these.
-    c.sampler = ml_collections.ConfigDict(dict(min_prompt_bucket=256, min_batch_bucket=4))
+    # Sampler shape buckets: prompts and batches are padded at least to these. decode_phases:
+    # sizes the generated tokens' cache grows through while decoding (more read fewer empty
+    # slots, but each compiles one more decode loop; benchmarks/RESULTS.md, "Decode phases").
+    c.sampler = ml_collections.ConfigDict(dict(min_prompt_bucket=256, min_batch_bucket=4,
+                                               decode_phases=4))
 
     c.limits = ml_collections.ConfigDict(dict(max_nodes=8, max_tokens_per_node=96,
                                               max_observation_chars=96))

@@ -155,6 +155,7 @@ def _top_level(c) -> Iterator[str]:
                             why="consecutive non-finite steps before the run stops"),
                     _number(c, "sampler.min_prompt_bucket", low=1, integer=True),
                     _number(c, "sampler.min_batch_bucket", low=1, integer=True),
+                    _number(c, "sampler.decode_phases", low=1, integer=True),
                     _number(c, "limits.max_nodes", low=1, integer=True),
                     _number(c, "limits.max_tokens_per_node", low=1, integer=True),
                     _number(c, "limits.max_observation_chars", low=1, integer=True))

@@ -88,6 +88,7 @@ class Experiment:
         self.samplers = {g: Sampler(m, pad_id=self.tokenizer.pad_id, tokenizer=self.tokenizer,
                                     min_prompt_bucket=config.sampler.min_prompt_bucket,
                                     min_batch_bucket=config.sampler.min_batch_bucket,
+                                    decode_phases=config.sampler.decode_phases,
                                     mesh=self.mesh, agents_per_pass=per_pass)
                          for g, m in self.models.items()}
         self.min_rows = sharding.data_parallel_size(dict(self.mesh.shape)) if self.mesh else 1

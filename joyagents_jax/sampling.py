@@ -240,6 +240,7 @@ class Sampler:
         agents_per_pass: agents of a stacked group decoded in one vmapped pass by
         `generate_per_agent`, the passes one after another (None: all agents at once)."""
         self.cfg, self.pad_id, self.tokenizer = cfg, pad_id, tokenizer
+        self.decode_block, self.decode_phases = decode_block, decode_phases
         self.max_cache_length = max_cache_length or cfg.max_position_embeddings
         self.mesh, self.data_parallel = mesh, 1
         if mesh is not None:

@@ -59,6 +59,7 @@ def test_the_default_and_real_checkpoint_configs_are_valid(tmp_path):
     ({"grpo__mode": "beam"}, "config.grpo.mode='beam': not one of nodewise"),
     ({"grpo__micro_batch": 12}, "config.grpo.micro_batch=12: must be a power of two"),
     ({"agents_per_pass": -1}, "config.agents_per_pass=-1: must be >= 0 (0 runs every"),
+    ({"sampler__decode_phases": 0}, "config.sampler.decode_phases=0: must be >= 1"),
     ({"grpo__memory_groups": "skip"}, "config.grpo.memory_groups='skip': not one of keep, drop"),
     ({"grpo__query_order": "zipf"}, "config.grpo.query_order='zipf': not one of traffic, questions"),
     ({"grpo__grounding_match": "letters"},

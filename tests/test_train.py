@@ -209,6 +209,7 @@ def test_exported_agents_generate_our_greedy_text_in_transformers_alone(referenc
     query = "What is the price of the Aero Lamp?"
     for agent in ("master", "qa"):
         group, index = exp.slots[agent]
+        assert exp.samplers[group].decode_phases == exp.config.sampler.decode_phases
         prompt = protocol.render_prompt(exp.tokenizer, exp.system.specs[agent], query, [])
         ours = exp.samplers[group].generate(
             state.groups[group].params, [exp.tokenizer.encode(prompt)], agent=index,
