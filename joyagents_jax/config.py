@@ -42,10 +42,13 @@ def get_config() -> ml_collections.ConfigDict:
     # another CPU (benchmarks/RESULTS.md, "One agent per pass").
     c.agents_per_pass = 1
     # Sampler shape buckets: prompts and batches are padded at least to these. decode_phases:
-    # sizes the generated tokens' cache grows through while decoding (more read fewer empty
-    # slots, but each compiles one more decode loop; benchmarks/RESULTS.md, "Decode phases").
+    # sizes the generated tokens' cache grows through while decoding; more read fewer empty
+    # slots but compile one more decode loop each. The default's short nodes gain nothing from
+    # them and 4 phases added 20 s of compiles to its first 12 GRPO steps (benchmarks/
+    # RESULTS.md, "A decode loop that reads fewer slots"); 128-token rollouts of 30M to 120M
+    # models ran ~1.1x faster with 4.
     c.sampler = ml_collections.ConfigDict(dict(min_prompt_bucket=256, min_batch_bucket=4,
-                                               decode_phases=4))
+                                               decode_phases=1))
 
     c.limits = ml_collections.ConfigDict(dict(max_nodes=8, max_tokens_per_node=96,
                                               max_observation_chars=96))
@@ -151,6 +154,7 @@ def real_checkpoint_config(groups: dict[str, tuple[tuple[str, ...], str]]
     c.agents_per_pass = 0  # all agents of a group in one pass, as `joyagents plan` measured
     c.max_len = 2048
     c.limits.update(max_nodes=8, max_tokens_per_node=256, max_observation_chars=512)
+    c.sampler.decode_phases = 4  # 256-token nodes: early steps skip most of the cache
     c.sft.update(steps=200, shared_steps=0, batch_per_agent=8, learning_rate=1e-5,
                  warmup_steps=20)
     c.grpo.update(steps=300, queries=32, group_size=8, learning_rate=1e-6, warmup_steps=10,
