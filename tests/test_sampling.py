@@ -252,6 +252,15 @@ def test_bad_input_errors(kwargs, match):
                                         scfg=SamplingConfig(8), **args)
 
 
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(decode_phases=0), "decode_phases must be an integer >= 1, got 0"),
+    (dict(decode_block=2.5), "decode_block must be an integer >= 1, got 2.5"),
+])
+def test_bad_decode_settings_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Sampler(_tiny()[0], pad_id=0, **kwargs)
+
+
 def test_sampling_config_errors():
     with pytest.raises(ValueError, match="temperature must be > 0"):
         SamplingConfig(4, temperature=0.0)
