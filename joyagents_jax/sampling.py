@@ -236,7 +236,8 @@ class Sampler:
         replicated, so every process reads them all (params keep their own shardings).
         decode_block: decode steps between appends to the generated cache (`generate_arrays`).
         decode_phases: sizes the generated cache grows through (`generate_arrays`): more
-        phases read fewer empty slots but compile one more decode loop each.
+        phases read fewer empty slots but compile one more decode loop each, and each growth
+        copies the cache into a larger buffer (both briefly live).
         agents_per_pass: agents of a stacked group decoded in one vmapped pass by
         `generate_per_agent`, the passes one after another (None: all agents at once)."""
         self.cfg, self.pad_id, self.tokenizer = cfg, pad_id, tokenizer
