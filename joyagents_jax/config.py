@@ -45,8 +45,8 @@ def get_config() -> ml_collections.ConfigDict:
     # sizes the generated tokens' cache grows through while decoding; more read fewer empty
     # slots but compile one more decode loop each. The default's short nodes gain nothing from
     # them and 4 phases added 20 s of compiles to its first 12 GRPO steps (benchmarks/
-    # RESULTS.md, "A decode loop that reads fewer slots"); 128-token rollouts of 30M to 120M
-    # models ran ~1.1x faster with 4.
+    # RESULTS.md, "A decode loop that reads fewer slots"); 128-token rollouts of a 30M model
+    # ran 1.09x faster with 4.
     c.sampler = ml_collections.ConfigDict(dict(min_prompt_bucket=256, min_batch_bucket=4,
                                                decode_phases=1))
 
