@@ -78,33 +78,23 @@ def batch(cfg, agents, b, t, seed=0) -> grpo_step.GRPOBatch:
     return grpo_step.GRPOBatch(rollouts={"all": rollouts}, group_agent=owner)
 
 
+def timed_calls(fn, carry, repeats: int, before=lambda: None) -> list[tuple[float, object]]:
+    """Wall time of each of `repeats` calls `carry = fn(carry)` after a warm-up (compile) call,
+    each with what `before()` returned right before it. Threading the carry lets fn donate its
+    input (the GRPO step donates the state)."""
+    carry = jax.block_until_ready(fn(carry))
+    calls = []
+    for _ in range(repeats):
+        seen = before()
+        start = time.perf_counter()
+        carry = jax.block_until_ready(fn(carry))
+        calls.append((time.perf_counter() - start, seen))
+    return calls
+
+
 def best_time(fn, carry, repeats: int) -> float:
-    """Min wall time of `carry = fn(carry)` over `repeats` calls after a warm-up (compile) call.
-    Threading the carry lets fn donate its input (the GRPO step donates the state)."""
-    carry = jax.block_until_ready(fn(carry))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        carry = jax.block_until_ready(fn(carry))
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
-def paired_utilization(fn, carry, repeats: int, flops: float, dtype) -> tuple[float, float, float]:
-    """Like `best_time` for the step, with each timed call right after its own matmul-peak
-    probe, so that a step is compared with the peak of its own moment (one of this project's
-    CPU hosts drifted by a third within an hour). Returns the best step time, and the best
-    (step, probe) pair's fraction of the peak and that probe's FLOP/s."""
-    carry = jax.block_until_ready(fn(carry))
-    times, pairs = [], []
-    for _ in range(repeats):
-        peak = hardware.matmul_peak(dtype)
-        start = time.perf_counter()
-        carry = jax.block_until_ready(fn(carry))
-        times.append(time.perf_counter() - start)
-        pairs.append((flops / times[-1] / peak, peak))
-    frac, peak = max(pairs)
-    return min(times), frac, peak
+    """Min wall time of `carry = fn(carry)` over `timed_calls`."""
+    return min(t for t, _ in timed_calls(fn, carry, repeats))
 
 
 def reference_forward(cfg: qwen2.Qwen2Config, per_pass: int | None):
@@ -153,8 +143,12 @@ def main():
         r, ref = data.rollouts["all"], reference_forward(cfg, args.agents_per_pass or None)
         t_ref = best_time(lambda _: ref(group.params, r.tokens, r.mask), None, args.repeats)
         flops = step_flops(cfg, args.agents, args.batch, args.seq, args.inner)
-        t, frac, step_peak = paired_utilization(lambda s: step(s, data)[0], state, args.repeats,
-                                                flops, jnp.dtype(args.dtype))
+        # Each step right after its own peak probe: a drifting host is compared with itself
+        # (one of this project's CPU hosts moved by a third within an hour).
+        calls = timed_calls(lambda s: step(s, data)[0], state, args.repeats,
+                            lambda: hardware.matmul_peak(jnp.dtype(args.dtype)))
+        t = min(t_i for t_i, _ in calls)
+        frac, step_peak = max((flops / t_i / p, p) for t_i, p in calls)
         lora_cells = ""
         if args.lora_rank:
             t_lora = best_time(lambda s: step(s, data)[0], lora_state(cfg, args), args.repeats)
