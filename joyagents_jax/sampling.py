@@ -242,7 +242,7 @@ class Sampler:
         `generate_per_agent`, the passes one after another (None: all agents at once)."""
         self.cfg, self.pad_id, self.tokenizer = cfg, pad_id, tokenizer
         for name, value in (("decode_block", decode_block), ("decode_phases", decode_phases)):
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(f"Sampler {name} must be an integer >= 1, got {value!r}.")
         self.decode_block, self.decode_phases = decode_block, decode_phases
         self.max_cache_length = max_cache_length or cfg.max_position_embeddings
