@@ -1,6 +1,6 @@
 """Where a trained run's agents fail, and how much a sampler can find: the learning diagnosis.
 
-    python benchmarks/diagnose.py --workdir runs/default --step 600 --samples 4
+    python benchmarks/diagnose.py --workdir runs/default --step 900 --samples 4
 
 On a held-out split (`--split`, default test), without the memory:
 - greedy episodes: accuracy and LLM calls per query, and each failed episode's first departure
