@@ -67,6 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Dispatches to the subcommand named by the first argument; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     xla_flags.pin_cpu_numerics()  # before any subcommand starts JAX
+    xla_flags.enough_cpu_threads()
     xla_flags.use_compilation_cache()
     if argv and argv[0] in ("-h", "--help"):
         print(usage())

@@ -11,19 +11,25 @@ host still part during SFT (which kernel still differs is open). Set
 `pin_cpu_numerics()` before JAX starts its backend.
 
 `use_compilation_cache()` points JAX's persistent compilation cache at a folder kept between
-runs, so a rerun, a resumed run or the next seed loads what an earlier run compiled."""
+runs, so a rerun, a resumed run or the next seed loads what an earlier run compiled.
+
+`enough_cpu_threads()` gives XLA's CPU thread pools room for a host split into several devices
+(`--xla_force_host_platform_device_count`), where too few threads deadlock collectives."""
 
 from __future__ import annotations
 
 import os
 import sys
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 
 PORTABLE = ("--xla_cpu_experimental_ynn_fusion_type=", "--xla_cpu_max_isa=AVX2")
 SWITCH = "JOYAGENTS_PORTABLE_CPU_NUMERICS"
 CACHE_DIR = "JAX_COMPILATION_CACHE_DIR"
 # Programs that compile faster than this are not worth a file (the default's eager ops).
 CACHE_MIN_COMPILE_SECS = ("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+THREADS = "NPROC"  # XLA and absl size their CPU thread pools by it when it is set
+THREADS_PER_DEVICE = 4
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count="
 
 
 def pin_cpu_numerics(environ: MutableMapping[str, str] = os.environ) -> None:
@@ -34,6 +40,31 @@ def pin_cpu_numerics(environ: MutableMapping[str, str] = os.environ) -> None:
     names = {f.split("=", 1)[0] for f in flags}
     flags += [f for f in PORTABLE if f.split("=", 1)[0] not in names]
     environ["XLA_FLAGS"] = " ".join(flags)
+
+
+def forced_cpu_devices(environ: Mapping[str, str] = os.environ) -> int:
+    """The CPU device count XLA_FLAGS or JAX_NUM_CPU_DEVICES ask for (the last flag wins); 1."""
+    counts = [f[len(DEVICE_COUNT_FLAG):] for f in environ.get("XLA_FLAGS", "").split()
+              if f.startswith(DEVICE_COUNT_FLAG)]
+    count = environ.get("JAX_NUM_CPU_DEVICES") or (counts[-1] if counts else "1")
+    return max(1, int(count)) if count.lstrip("-").isdigit() else 1
+
+
+def enough_cpu_threads(environ: MutableMapping[str, str] = os.environ) -> None:
+    """Sets NPROC to THREADS_PER_DEVICE threads per forced CPU device (at least the host's
+    cores), unless the user set it or the host is one device.
+
+    XLA:CPU runs a collective by parking a pool thread until every device arrives, and the pools
+    have one thread per core. Eight devices on two cores then deadlock (measured, "Collectives
+    on a host split into devices" in benchmarks/RESULTS.md): a device parks its thread in an
+    all-reduce while the loop that other devices wait on in their own collectives has no thread
+    left to run, and XLA aborts the process after its 40 s rendezvous timeout. Twice as many
+    threads as devices ended it in a micro-benchmark; four leave room for nested loops. Call it
+    before JAX starts its backend."""
+    devices = forced_cpu_devices(environ)
+    if devices > 1 and THREADS not in environ:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        environ[THREADS] = str(max(cores or 1, THREADS_PER_DEVICE * devices))
 
 
 def default_cache_dir(environ: MutableMapping[str, str] = os.environ) -> str:

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from joyagents_jax import checkpoint
+from joyagents_jax import checkpoint, xla_flags
 from joyagents_jax import train_state as ts
 from joyagents_jax.models import qwen2
 
@@ -192,6 +192,7 @@ def test_empty_directory_restores_nothing(tmp_path):
 def _run(code: str, devices: int = 1) -> subprocess.CompletedProcess:
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    xla_flags.enough_cpu_threads(env)
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=120)
 

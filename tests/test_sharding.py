@@ -16,7 +16,7 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from joyagents_jax import sharding
+from joyagents_jax import sharding, xla_flags
 from joyagents_jax.models import hf_io, qwen2
 from joyagents_jax.rl import grpo
 
@@ -32,6 +32,7 @@ def run_python(code: str, devices: int | None = 8, timeout: float = 300) -> str:
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     if devices:
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+        xla_flags.enough_cpu_threads(env)
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"subprocess failed ({proc.returncode}):\n{proc.stderr[-6000:]}"

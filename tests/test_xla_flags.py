@@ -1,7 +1,12 @@
 """The portable CPU numerics flags: added once, never over a flag the user set, switchable off;
-the compilation cache: on by default, in the user's cache folder unless the user names one."""
+the compilation cache: on by default, in the user's cache folder unless the user names one;
+threads for a host split into devices: enough that back-to-back collectives finish."""
 
 import os
+import subprocess
+import sys
+
+import numpy as np
 
 from joyagents_jax import xla_flags
 
@@ -53,3 +58,63 @@ def test_an_unwritable_cache_folder_is_reported_once_and_turned_off(tmp_path, ca
     env = {xla_flags.CACHE_DIR: "gs://bucket/xla"}  # remote stores are JAX's to open
     xla_flags.use_compilation_cache(env)
     assert env[xla_flags.CACHE_DIR] == "gs://bucket/xla"
+
+
+def _devices(n: int) -> str:
+    return f"{xla_flags.DEVICE_COUNT_FLAG}{n}"
+
+
+def test_the_device_count_comes_from_xla_flags_or_jax_num_cpu_devices():
+    assert xla_flags.forced_cpu_devices({}) == 1
+    flags = "--xla_force_host_platform_device_count=2 --xla_force_host_platform_device_count=8"
+    assert xla_flags.forced_cpu_devices({"XLA_FLAGS": flags}) == 8
+    assert xla_flags.forced_cpu_devices({"XLA_FLAGS": flags, "JAX_NUM_CPU_DEVICES": "4"}) == 4
+    assert xla_flags.forced_cpu_devices({"XLA_FLAGS": _devices(0)}) == 1
+    assert xla_flags.forced_cpu_devices({"JAX_NUM_CPU_DEVICES": "x"}) == 1
+
+
+def test_several_devices_get_threads_per_device_unless_the_user_set_nproc():
+    env = {"XLA_FLAGS": _devices(8)}
+    xla_flags.enough_cpu_threads(env)
+    cores = len(os.sched_getaffinity(0))
+    assert env[xla_flags.THREADS] == str(max(cores, 8 * xla_flags.THREADS_PER_DEVICE))
+    env = {"XLA_FLAGS": _devices(8), xla_flags.THREADS: "3"}
+    xla_flags.enough_cpu_threads(env)
+    assert env[xla_flags.THREADS] == "3"
+    env = {"XLA_FLAGS": _devices(1)}
+    xla_flags.enough_cpu_threads(env)
+    assert xla_flags.THREADS not in env
+
+
+# A scan whose body gathers fsdp-split weights, and an all-reduce over every device that does
+# not depend on it, called back to back: with one pool thread per core, eight devices on a
+# two-core host deadlock within the first calls and XLA aborts the process.
+_COLLECTIVES = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "fsdp"))
+def f(w, x, mask):
+    h, _ = jax.lax.scan(lambda h, wl: (jnp.tanh(h @ wl), None), x, w)
+    return jnp.sum(h * mask[..., None]) / jnp.sum(mask)
+put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
+w = put(np.full((4, 64, 64), 0.01, np.float32), P(None, "fsdp"))
+x = put(np.ones((16, 32, 64), np.float32), P(("data", "fsdp")))
+mask = put(np.ones((16, 32), np.int32), P(("data", "fsdp")))
+g = jax.jit(f, out_shardings=NamedSharding(mesh, P()))
+outs = [g(w, x, mask) for _ in range(300)]
+print(float(outs[-1]))
+"""
+
+
+def test_eight_devices_run_collectives_back_to_back_without_a_deadlock():
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": _devices(8) + " --xla_cpu_collective_call_terminate_timeout_seconds=20"}
+    env.pop(xla_flags.THREADS, None)
+    xla_flags.enough_cpu_threads(env)
+    proc = subprocess.run([sys.executable, "-c", _COLLECTIVES], env=env, capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    h = 1.0
+    for _ in range(4):  # every unit of a layer sums 64 inputs h times 0.01
+        h = np.tanh(0.64 * h)
+    assert abs(float(proc.stdout) - 64 * h) < 1e-4  # the mean of a position's 64-unit sum
