@@ -59,12 +59,20 @@ def enough_cpu_threads(environ: MutableMapping[str, str] = os.environ) -> None:
     on a host split into devices" in benchmarks/RESULTS.md): a device parks its thread in an
     all-reduce while the loop that other devices wait on in their own collectives has no thread
     left to run, and XLA aborts the process after its 40 s rendezvous timeout. Twice as many
-    threads as devices ended it in a micro-benchmark; four leave room for nested loops. Call it
-    before JAX starts its backend."""
+    threads as devices ended it in a micro-benchmark; four leave room for nested loops. A user's
+    NPROC below twice the devices is kept and warned about. Call it before JAX starts its
+    backend."""
     devices = forced_cpu_devices(environ)
-    if devices > 1 and THREADS not in environ:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        environ[THREADS] = str(max(cores or 1, THREADS_PER_DEVICE * devices))
+    if devices <= 1:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    wanted = max(cores or 1, THREADS_PER_DEVICE * devices)
+    if THREADS not in environ:
+        environ[THREADS] = str(wanted)
+    elif not environ[THREADS].isdigit() or int(environ[THREADS]) < 2 * devices:
+        print(f"joyagents: {THREADS}={environ[THREADS]} gives XLA fewer than 2 CPU threads per "
+              f"device ({devices} devices), so its collectives may deadlock; unset {THREADS} or "
+              f"set it to {wanted}", file=sys.stderr)
 
 
 def default_cache_dir(environ: MutableMapping[str, str] = os.environ) -> str:

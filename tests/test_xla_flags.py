@@ -73,14 +73,26 @@ def test_the_device_count_comes_from_xla_flags_or_jax_num_cpu_devices():
     assert xla_flags.forced_cpu_devices({"JAX_NUM_CPU_DEVICES": "x"}) == 1
 
 
+def test_a_users_nproc_below_two_threads_per_device_is_kept_and_warned_about(capsys):
+    env = {"XLA_FLAGS": _devices(8), xla_flags.THREADS: "3"}
+    xla_flags.enough_cpu_threads(env)
+    assert env[xla_flags.THREADS] == "3"
+    err = capsys.readouterr().err
+    assert "NPROC=3 gives XLA fewer than 2 CPU threads per device (8 devices)" in err
+    assert "unset NPROC or set it to" in err
+    env = {"XLA_FLAGS": _devices(8), xla_flags.THREADS: "16"}
+    xla_flags.enough_cpu_threads(env)
+    assert capsys.readouterr().err == ""
+
+
 def test_several_devices_get_threads_per_device_unless_the_user_set_nproc():
     env = {"XLA_FLAGS": _devices(8)}
     xla_flags.enough_cpu_threads(env)
     cores = len(os.sched_getaffinity(0))
     assert env[xla_flags.THREADS] == str(max(cores, 8 * xla_flags.THREADS_PER_DEVICE))
-    env = {"XLA_FLAGS": _devices(8), xla_flags.THREADS: "3"}
+    env = {"XLA_FLAGS": _devices(8), xla_flags.THREADS: "16"}
     xla_flags.enough_cpu_threads(env)
-    assert env[xla_flags.THREADS] == "3"
+    assert env[xla_flags.THREADS] == "16"
     env = {"XLA_FLAGS": _devices(1)}
     xla_flags.enough_cpu_threads(env)
     assert xla_flags.THREADS not in env
