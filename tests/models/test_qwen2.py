@@ -224,6 +224,23 @@ def test_cudnn_training_traces_with_vmapped_agents(monkeypatch):
     chex.assert_trees_all_equal_shapes_and_dtypes(grads, jax.eval_shape(lambda: params))
 
 
+@pytest.mark.parametrize("k, m", [(4, 12), (12, 4), (8, 8)])
+def test_matmul_gradients_equal_autodiff(k, m):
+    """The custom VJP's gradients (weight gradient by whichever operand is narrower) equal
+    autodiff's of x @ w, and the cotangents keep the primals' dtypes under promotion."""
+    ks = jax.random.split(jax.random.key(0), 3)
+    x, w = jax.random.normal(ks[0], (6, k)), jax.random.normal(ks[1], (k, m))
+    c = jax.random.normal(ks[2], (6, m))
+    ours = jax.grad(lambda x, w: jnp.sum(qwen2.matmul(x, w) * c), argnums=(0, 1))(x, w)
+    plain = jax.grad(lambda x, w: jnp.sum((x @ w) * c), argnums=(0, 1))(x, w)
+    chex.assert_trees_all_equal_shapes_and_dtypes(ours, (x, w))
+    chex.assert_trees_all_close(ours, plain, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(qwen2.matmul(x, w), x @ w)
+    mixed = jax.grad(lambda x, w: jnp.sum(qwen2.matmul(x, w)), argnums=(0, 1))(
+        x.astype(jnp.bfloat16), w)
+    assert (mixed[0].dtype, mixed[1].dtype) == (jnp.bfloat16, jnp.float32)
+
+
 def test_bf16_compute_close_to_f32():
     cfg = qwen2.Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2,
                             num_heads=4, num_kv_heads=2)
