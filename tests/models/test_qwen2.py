@@ -241,6 +241,20 @@ def test_matmul_gradients_equal_autodiff(k, m):
     assert (mixed[0].dtype, mixed[1].dtype) == (jnp.bfloat16, jnp.float32)
 
 
+@pytest.mark.parametrize("scan", [True, False])
+def test_remat_gives_the_gradients_of_the_plain_model(scan):
+    """Rematerialized layers (the Qwen configs' setting) recompute the projections' custom VJP
+    inputs and give the plain model's parameter gradients."""
+    cfg = qwen2.Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=96, num_layers=2,
+                            num_heads=4, num_kv_heads=2, scan_layers=scan)
+    params = qwen2.init_params(cfg, jax.random.key(0), std=0.1)
+    tokens = jax.random.randint(jax.random.key(1), (2, 7), 0, 64)
+    loss = lambda c: jax.grad(lambda p: jnp.sum(qwen2.forward(c, p, tokens).logits ** 2))(params)
+    plain, remat = loss(cfg), loss(cfg.replace(remat=True))
+    chex.assert_trees_all_equal_shapes(plain, params)
+    chex.assert_trees_all_close(remat, plain, rtol=1e-5, atol=1e-5)
+
+
 def test_bf16_compute_close_to_f32():
     cfg = qwen2.Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2,
                             num_heads=4, num_kv_heads=2)
