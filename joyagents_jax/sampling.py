@@ -414,10 +414,15 @@ class Sampler:
     def _cut_at_stop_string(self, out: Samples, b: int, g: int, stop_strings) -> None:
         n = int(out.lengths[b, g])
         ids = out.tokens[b, g, :n].tolist()
-        if not any(s in self.tokenizer.decode(ids) for s in stop_strings):
+        spelled = lambda k: any(s in self.tokenizer.decode(ids[:k]) for s in stop_strings)
+        if not spelled(n):
             return
-        k = next(k for k in range(1, n + 1)
-                 if any(s in self.tokenizer.decode(ids[:k]) for s in stop_strings))
+        # The fewest tokens that spell a stop string, by bisection (log n decodes, not n): a
+        # prefix's text is the longer text's prefix, so spelling one is monotone in k.
+        lo, k = 0, n
+        while k - lo > 1:
+            mid = (lo + k) // 2
+            lo, k = (lo, mid) if spelled(mid) else (mid, k)
         if k < n or not out.stopped[b, g]:
             out.tokens[b, g, k:] = self.pad_id
             out.logp_sample[b, g, k:] = 0.0
