@@ -24,8 +24,9 @@ Batches are left padded: `mask [B, T]` marks real tokens and `positions [B, T]` 
 positions (`positions_from_mask`). KV caches are explicit pytree arguments: `run_layers` reads
 any number of them read-only (a cache may hold one row per G query rows: the samples of one
 prompt share its keys) and returns the new tokens' keys and values, which `append` writes, or
-writes them into one cache that it then reads (`hidden_states`); values are stored slot-minor,
-[.., Hd, S], which made decode attention ~3x faster on CPU.
+writes them into one cache that it then reads (`hidden_states`). Keys are stored slot-minor
+[.., Hd, S] and values slot-major [.., S, Hd]: a decode step's attention products then sum over
+a major axis, vectorised along the minor one (`attention`).
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ class KVCache:
     next tokens go; `mask` marks slots that hold real tokens.
     """
 
-    # [L, B, K, S, Hd] and [L, B, K, Hd, S] (each attention product's contracted axis minor);
+    # [L, B, K, Hd, S] and [L, B, K, S, Hd] (each decode product's summed axis major);
     # with unrolled layers, tuples of L per-layer buffers (see `init_cache`).
     k: Any
     v: Any
@@ -180,8 +181,8 @@ def init_cache(cfg: Qwen2Config, batch: int, length: int, dtype: Any = None) -> 
     a stacked cache before every read.
     """
     dtype = jnp.dtype(dtype or cfg.dtype)
-    k = jnp.zeros((cfg.num_layers, batch, cfg.num_kv_heads, length, cfg.head_dim), dtype)
-    v = jnp.zeros((cfg.num_layers, batch, cfg.num_kv_heads, cfg.head_dim, length), dtype)
+    k = jnp.zeros((cfg.num_layers, batch, cfg.num_kv_heads, cfg.head_dim, length), dtype)
+    v = jnp.zeros((cfg.num_layers, batch, cfg.num_kv_heads, length, cfg.head_dim), dtype)
     per_layer = (lambda x: x) if cfg.scan_layers else tuple
     return KVCache(k=per_layer(k), v=per_layer(v), mask=jnp.zeros((batch, length), bool),
                    index=jnp.zeros((), jnp.int32))
@@ -225,7 +226,7 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 def attention(q: jax.Array, segments: list[tuple[jax.Array, jax.Array, jax.Array]]) -> jax.Array:
     """Grouped-query attention of q [B, T, N, Hd] over key/value segments -> [B, T, N, Hd].
 
-    Each segment is (k [Bs, K, S, Hd], v [Bs, K, Hd, S], allowed [Bs, T or 1, S]), the cache's
+    Each segment is (k [Bs, K, Hd, S], v [Bs, K, S, Hd], allowed [Bs, T or 1, S]), the cache's
     layout; the softmax runs over all segments together. Decoding attends to read-only caches
     and the new tokens as separate segments, so appending needs no concatenation. Bs may divide
     B: rows r * B / Bs ... (r + 1) * B / Bs - 1 then share segment row r (the G samples of one
@@ -237,17 +238,36 @@ def attention(q: jax.Array, segments: list[tuple[jax.Array, jax.Array, jax.Array
     shares = [b // k.shape[0] for k, _, _ in segments]
     scores = []
     for (k, _, allowed), share in zip(segments, shares):
-        qs = q.reshape(k.shape[0], share * t, kv_heads, g, hd)
-        s = jnp.einsum("bqkgh,bksh->bkgqs", qs, k, preferred_element_type=jnp.float32)
+        s = _scores(q.reshape(k.shape[0], share * t, kv_heads, g, hd), k)
         s = jnp.where(allowed[:, None, None], s * (hd ** -0.5), jnp.finfo(jnp.float32).min)
         scores.append(_unshare(s, share, t))
     probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)  # [B, K, g, T, S total]
     out, start = 0, 0
     for (k, v, _), share in zip(segments, shares):
-        p = _share(probs[..., start:start + k.shape[-2]], share, t).astype(v.dtype)
-        out = out + jnp.einsum("bkgqs,bkhs->bqkgh", p, v).reshape(b, t, kv_heads, g, hd)
-        start += k.shape[-2]
+        p = _share(probs[..., start:start + k.shape[-1]], share, t)
+        out = out + _mix(p, v).reshape(b, t, kv_heads, g, hd)
+        start += k.shape[-1]
     return out.reshape(b, t, n, hd)
+
+
+def _scores(q: jax.Array, k: jax.Array) -> jax.Array:
+    """q [Bs, Q, K, g, Hd] . k [Bs, K, Hd, S] -> f32 scores [Bs, K, g, Q, S].
+
+    One query row (a decode step's) is a multiply-and-sum over Hd, vectorised along S: as a
+    dot its g (e.g. 4) rows per head made XLA:CPU's products slow."""
+    if q.shape[1] > 1:
+        return jnp.einsum("bqkgh,bkhs->bkgqs", q, k, preferred_element_type=jnp.float32)
+    f32 = jnp.float32
+    return (q[:, 0, :, :, :, None].astype(f32) * k[:, :, None].astype(f32)).sum(-2)[:, :, :, None]
+
+
+def _mix(p: jax.Array, v: jax.Array) -> jax.Array:
+    """probs [Bs, K, g, Q, S] . v [Bs, K, S, Hd] -> [Bs, Q, K, g, Hd] in v's dtype (one query
+    row: a multiply-and-sum over S, vectorised along Hd, as in `_scores`)."""
+    if p.shape[3] > 1:
+        return jnp.einsum("bkgqs,bksh->bqkgh", p.astype(v.dtype), v)
+    f32 = jnp.float32
+    return (p[:, :, :, 0, :, None] * v[:, :, None].astype(f32)).sum(-2)[:, None].astype(v.dtype)
 
 
 def _unshare(s: jax.Array, share: int, t: int) -> jax.Array:
@@ -329,9 +349,9 @@ def decoder_layer(cfg: Qwen2Config, p: Params, x: jax.Array, rope, allowed: jax.
                   past: Sequence[tuple[jax.Array, jax.Array, jax.Array]] = (), into=None):
     """One pre-norm block. x [B, T, D], allowed [B, T, T] among the new tokens.
 
-    past: this layer's read-only cache segments (k [Bs, K, S, Hd], v [Bs, K, Hd, S], allowed
+    past: this layer's read-only cache segments (k [Bs, K, Hd, S], v [Bs, K, S, Hd], allowed
     [Bs, T or 1, S]), see `attention`. Returns the new x and the new tokens' (k, v) in the
-    cache layout for the caller to write. into: (k [B, K, S, Hd], v [B, K, Hd, S], allowed
+    cache layout for the caller to write. into: (k [B, K, Hd, S], v [B, K, S, Hd], allowed
     [B, T, S], index) that takes the new tokens' k/v at slots [index, index + T) before the
     attention reads it as their segment; the written (k, v) are then returned instead.
     """
@@ -341,11 +361,11 @@ def decoder_layer(cfg: Qwen2Config, p: Params, x: jax.Array, rope, allowed: jax.
     q = apply_rope(_dense(h, a["q"], "btd,dnh->btnh", dt), *rope)
     k = apply_rope(_dense(h, a["k"], "btd,dnh->btnh", dt), *rope)  # [B, T, K, Hd]
     v = _dense(h, a["v"], "btd,dnh->btnh", dt)
-    new = (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 3, 1))
+    new = (k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3))
     own = [(*new, allowed)]
     if into is not None:
         ik, iv, into_allowed, index = into
-        new = (_write(ik, new[0], 2, index), _write(iv, new[1], 3, index))
+        new = (_write(ik, new[0], 3, index), _write(iv, new[1], 2, index))
         own = [(new[0].astype(dt), new[1].astype(dt), into_allowed)]
     if past or into is not None:
         out = attention(q, own + [(pk.astype(dt), pv.astype(dt), m) for pk, pv, m in past])
@@ -383,8 +403,8 @@ def run_layers(cfg: Qwen2Config, params: Params, tokens: jax.Array, positions: j
     `rope`: the positions' (cos, sin) [B, T, Hd / 2] if already made; a decode loop looks them
     up in a table made once, since XLA recomputes them inside every layer's rotation otherwise.
 
-    Returns final-norm hidden [B, T, D] and the new tokens' k [L, B, K, T, Hd] and v
-    [L, B, K, Hd, T] (tuples over unrolled layers, as the cache), for the caller to `append`.
+    Returns final-norm hidden [B, T, D] and the new tokens' k [L, B, K, Hd, T] and v
+    [L, B, K, T, Hd] (tuples over unrolled layers, as the cache), for the caller to `append`.
     With `into`, each layer first writes them into that cache at [index, index + T) and
     attends to it, and its written k and v are returned instead (`hidden_states`).
     Unrolled layers also accept params whose "layers" is a tuple of per-layer trees
@@ -462,11 +482,11 @@ def hidden_states(cfg: Qwen2Config, params: Params, tokens: jax.Array, positions
 
 
 def append(cache: KVCache, k: Any, v: Any, mask: jax.Array) -> KVCache:
-    """cache with T new slots written at [index, index + T): k [(L,) B, K, T, Hd] and
-    v [(L,) B, K, Hd, T] in the cache's form (stacked or per layer), mask [B, T]."""
+    """cache with T new slots written at [index, index + T): k [(L,) B, K, Hd, T] and
+    v [(L,) B, K, T, Hd] in the cache's form (stacked or per layer), mask [B, T]."""
     i = cache.index
-    return KVCache(k=jax.tree.map(lambda c, x: _write(c, x, c.ndim - 2, i), cache.k, k),
-                   v=jax.tree.map(lambda c, x: _write(c, x, c.ndim - 1, i), cache.v, v),
+    return KVCache(k=jax.tree.map(lambda c, x: _write(c, x, c.ndim - 1, i), cache.k, k),
+                   v=jax.tree.map(lambda c, x: _write(c, x, c.ndim - 2, i), cache.v, v),
                    mask=_written_mask(cache, mask), index=i + mask.shape[1])
 
 
@@ -476,8 +496,8 @@ def grow(cache: KVCache, length: int) -> KVCache:
     if extra == 0:
         return cache
     pad = lambda x, axis: jnp.pad(x, [(0, extra if a == axis else 0) for a in range(x.ndim)])
-    return KVCache(k=jax.tree.map(lambda x: pad(x, x.ndim - 2), cache.k),
-                   v=jax.tree.map(lambda x: pad(x, x.ndim - 1), cache.v),
+    return KVCache(k=jax.tree.map(lambda x: pad(x, x.ndim - 1), cache.k),
+                   v=jax.tree.map(lambda x: pad(x, x.ndim - 2), cache.v),
                    mask=pad(cache.mask, 1), index=cache.index)
 
 

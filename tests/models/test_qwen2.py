@@ -103,23 +103,23 @@ def test_cache_layout_and_append(scan):
                             num_heads=4, num_kv_heads=2, scan_layers=scan)
     cache = qwen2.init_cache(cfg, batch=2, length=5)
     if scan:
-        chex.assert_shape([cache.k, cache.v], [(3, 2, 2, 5, 8), (3, 2, 2, 8, 5)])
+        chex.assert_shape([cache.k, cache.v], [(3, 2, 2, 8, 5), (3, 2, 2, 5, 8)])
     else:
         assert isinstance(cache.k, tuple) and len(cache.k) == len(cache.v) == 3
-        chex.assert_shape([*cache.k, *cache.v], [(2, 2, 5, 8)] * 3 + [(2, 2, 8, 5)] * 3)
+        chex.assert_shape([*cache.k, *cache.v], [(2, 2, 8, 5)] * 3 + [(2, 2, 5, 8)] * 3)
     assert cache.length == 5
     new = lambda x, axis: jax.random.normal(jax.random.key(x.size), x.shape[:axis] + (2,)
                                             + x.shape[axis + 1:])
-    k = jax.tree.map(lambda x: new(x, x.ndim - 2), cache.k)
-    v = jax.tree.map(lambda x: new(x, x.ndim - 1), cache.v)
+    k = jax.tree.map(lambda x: new(x, x.ndim - 1), cache.k)
+    v = jax.tree.map(lambda x: new(x, x.ndim - 2), cache.v)
     out = qwen2.append(cache.replace(index=jnp.asarray(1, jnp.int32)), k, v,
                        jnp.array([[True, False], [True, True]]))
     assert int(out.index) == 3
     np.testing.assert_array_equal(out.mask, [[0, 1, 0, 0, 0], [0, 1, 1, 0, 0]])
-    for c, x in zip(jax.tree.leaves(out.k), jax.tree.leaves(k)):
+    for c, x in zip(jax.tree.leaves(out.v), jax.tree.leaves(v)):
         np.testing.assert_array_equal(np.asarray(c)[..., 1:3, :], x)
         assert not np.asarray(c)[..., [0, 3, 4], :].any()
-    for c, x in zip(jax.tree.leaves(out.v), jax.tree.leaves(v)):
+    for c, x in zip(jax.tree.leaves(out.k), jax.tree.leaves(k)):
         np.testing.assert_array_equal(np.asarray(c)[..., 1:3], x)
 
 
@@ -163,12 +163,12 @@ def test_grow_adds_empty_slots_after_the_last(scan):
     grown = qwen2.grow(cache, 5)
     assert grown.length == 5 and int(grown.index) == 3
     np.testing.assert_array_equal(grown.mask, [[1, 0, 1, 0, 0], [1, 1, 1, 0, 0]])
-    for x in jax.tree.leaves(grown.k):
-        chex.assert_shape(x, x.shape[:-2] + (5, 8))
-        assert (np.asarray(x)[..., :3, :] == 1).all() and not np.asarray(x)[..., 3:, :].any()
     for x in jax.tree.leaves(grown.v):
+        chex.assert_shape(x, x.shape[:-2] + (5, 8))
+        assert (np.asarray(x)[..., :3, :] == 2).all() and not np.asarray(x)[..., 3:, :].any()
+    for x in jax.tree.leaves(grown.k):
         chex.assert_shape(x, x.shape[:-1] + (5,))
-        assert (np.asarray(x)[..., :3] == 2).all() and not np.asarray(x)[..., 3:].any()
+        assert (np.asarray(x)[..., :3] == 1).all() and not np.asarray(x)[..., 3:].any()
 
 
 def test_shared_segment_attention_equals_repeated_rows():
@@ -176,15 +176,39 @@ def test_shared_segment_attention_equals_repeated_rows():
     ks = jax.random.split(jax.random.key(0), 6)
     b, g, t, n, kh, hd, s = 2, 3, 2, 4, 2, 8, 5
     q = jax.random.normal(ks[0], (b * g, t, n, hd))
-    pk, pv = jax.random.normal(ks[1], (b, kh, s, hd)), jax.random.normal(ks[2], (b, kh, hd, s))
+    pk, pv = jax.random.normal(ks[1], (b, kh, hd, s)), jax.random.normal(ks[2], (b, kh, s, hd))
     pmask = jnp.array([[0, 1, 1, 1, 1], [0, 0, 0, 1, 1]], bool)
-    own_k, own_v = jax.random.normal(ks[3], (b * g, kh, 2, hd)), jax.random.normal(ks[4], (b * g, kh, hd, 2))
+    own_k, own_v = jax.random.normal(ks[3], (b * g, kh, hd, 2)), jax.random.normal(ks[4], (b * g, kh, 2, hd))
     own = (own_k, own_v, jnp.ones((b * g, t, 2), bool).at[::2, :, 1].set(False))
     shared = qwen2.attention(q, [own, (pk, pv, pmask[:, None, :])])
     rep = lambda x: jnp.repeat(x, g, axis=0)
     repeated = qwen2.attention(q, [own, (rep(pk), rep(pv), rep(pmask)[:, None, :])])
     chex.assert_shape(shared, (b * g, t, n, hd))
     np.testing.assert_allclose(shared, repeated, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("dtype,atol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+@pytest.mark.parametrize("t", [1, 3])
+def test_segment_attention_equals_attention_over_the_joined_cache(t, dtype, atol):
+    """Segments in the cache layout give XLA attention over their keys and values joined; one
+    query row (a decode step, multiply-and-sum products) and several (einsum products) alike."""
+    ks = jax.random.split(jax.random.key(1), 5)
+    b, n, kh, hd, sizes = 3, 4, 2, 8, (4, 6)
+    q = jax.random.normal(ks[0], (b, t, n, hd)).astype(dtype)
+    k = [jax.random.normal(jax.random.fold_in(ks[1], i), (b, kh, hd, s)).astype(dtype)
+         for i, s in enumerate(sizes)]
+    v = [jax.random.normal(jax.random.fold_in(ks[2], i), (b, kh, s, hd)).astype(dtype)
+         for i, s in enumerate(sizes)]
+    allowed = [jax.random.bernoulli(jax.random.fold_in(ks[3], i), 0.7, (b, t, s)).at[:, :, 0].set(True)
+               for i, s in enumerate(sizes)]
+    out = qwen2.attention(q, list(zip(k, v, allowed)))
+    joined = lambda xs, axis: jnp.concatenate(xs, axis=axis)
+    ref = jax.nn.dot_product_attention(
+        q.astype(jnp.float32), joined(k, -1).transpose(0, 3, 1, 2).astype(jnp.float32),
+        joined(v, 2).transpose(0, 2, 1, 3).astype(jnp.float32), mask=joined(allowed, -1)[:, None])
+    chex.assert_shape(out, (b, t, n, hd))
+    chex.assert_type(out, dtype)
+    np.testing.assert_allclose(out.astype(jnp.float32), ref, atol=atol, rtol=0)
 
 
 @pytest.mark.parametrize("t", [6, 7])
