@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import tensorflow_datasets as tfds
 
-from joyagents_jax.data import tasks
+from joyagents_jax.data import tasks, tfds_local
 from joyagents_jax.data.world import World, make_world
 
 MASTER = tasks.MASTER
@@ -221,9 +221,9 @@ class AssistantSuite(tfds.core.GeneratorBasedBuilder):
         features = {k: text for k in ("query", "domain", "answer", "answer_kind", "question_id",
                                       "gold")}
         features["min_llm_calls"] = tfds.features.Scalar(dtype=np.int32)
-        return tfds.core.DatasetInfo(builder=self, description=__doc__,
-                                     features=tfds.features.FeaturesDict(features),
-                                     disable_shuffling=True)
+        return tfds_local.built_here(tfds.core.DatasetInfo(
+            builder=self, description=__doc__, features=tfds.features.FeaturesDict(features),
+            disable_shuffling=True))
 
     def _split_generators(self, dl_manager: tfds.download.DownloadManager):
         del dl_manager  # procedural: nothing to download

@@ -20,6 +20,8 @@ import tensorflow_datasets as tfds
 from etils import epath
 from tensorflow_datasets.text.gsm8k import gsm8k
 
+from joyagents_jax.data import tfds_local
+
 REQUIRED_FILES = ("train.jsonl", "test.jsonl")
 OPTIONAL_FILES = ("train_socratic.jsonl", "test_socratic.jsonl")
 _SOURCE = "https://github.com/openai/grade-school-math (grade_school_math/data/)"
@@ -75,6 +77,9 @@ class Gsm8kLocal(gsm8k.Gsm8k):
     MANUAL_DOWNLOAD_INSTRUCTIONS = (
         f"Download {', '.join(REQUIRED_FILES + OPTIONAL_FILES)} from {_SOURCE} into the manual "
         "directory (`manual_dir` of `load_gsm8k`, or tfds' DownloadConfig.manual_dir).")
+
+    def _info(self) -> tfds.core.DatasetInfo:
+        return tfds_local.built_here(super()._info())
 
     def _split_generators(self, dl_manager: tfds.download.DownloadManager):
         return {split: self._generate_examples(path)
