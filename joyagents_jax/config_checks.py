@@ -30,6 +30,7 @@ SELECTS = ("groups", "agents")
 KLS = ("k1", "k2", "k3")
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 ADVANTAGES = ("std", "no_std", "loo")
+OPTIMIZERS = ("adamw", "sgd")
 MEMORY_GROUPS = ("keep", "drop")
 QUERY_ORDERS = ("traffic", "questions")
 GSM8K_SPLITS = ("train", "test", "train_socratic", "test_socratic")
@@ -255,6 +256,7 @@ def _grpo(c) -> Iterator[str]:
                     _choice(c, "grpo.advantage", ADVANTAGES),
                     _number(c, "grpo.neg_weight", low=0,
                             why="the scale of negative advantages; 1 is GRPO"),
+                    _choice(c, "grpo.optimizer", OPTIMIZERS),
                     _number(c, "grpo.learning_rate", low=0, low_open=True),
                     _number(c, "grpo.warmup_steps", low=0, integer=True),
                     _number(c, "grpo.clip_norm", low=0, low_open=True),

@@ -489,6 +489,13 @@ class Experiment:
                  use_memory: bool = True) -> dict[str, float]:
         """Greedy episodes on a split, the run's memory read-only when `use_memory` (and the run
         has one): accuracy per domain, reward parts, cost per query. Changes nothing."""
+        return summarize(*self.greedy_episodes(run, split, examples, use_memory), f"eval/{split}")
+
+    def greedy_episodes(self, run: RunState, split: str, examples: int | None = None,
+                        use_memory: bool = True
+                        ) -> tuple[list[suite.Example], rollout.RolloutResult, float]:
+        """What `evaluate` summarizes: the split's first `examples` examples, their greedy
+        episodes (each query's rewards in order) and the seconds they took."""
         source = self.sources[split]
         n = len(source) if not examples else min(examples, len(source))
         exs = [suite.decode(source[i]) for i in range(n)]
@@ -497,8 +504,7 @@ class Experiment:
                                  self.policy(run.train, jax.random.key(0), greedy=True),
                                  self.parts.rollout, self.memory_view(run) if use_memory else None)
         result = engine.episodes([task_of(e) for e in exs])
-        seconds = time.perf_counter() - start
-        return summarize(exs, result, seconds, f"eval/{split}")
+        return exs, result, time.perf_counter() - start
 
 
 def _grounding(result: rollout.RolloutResult) -> float:

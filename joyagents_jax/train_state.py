@@ -33,13 +33,17 @@ Params = qwen2.Params
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-    """AdamW with a warmup + cosine (or constant) schedule and global-norm clipping per agent.
+    """AdamW (or momentum SGD) with a warmup + cosine (or constant) schedule and global-norm
+    clipping per agent.
 
     Frozen, so it can live in the static part of the state's pytree. Each agent's schedule
     advances with its own optimizer count, i.e. with the updates it actually received.
     """
 
     learning_rate: float = 1e-5
+    # "sgd": heavy-ball momentum b1; steps scale with the gradient instead of Adam's
+    # per-parameter normalization, which moves weakly informed parameters as far as the rest.
+    kind: Literal["adamw", "sgd"] = "adamw"
     schedule: Literal["cosine", "constant"] = "cosine"
     warmup_steps: int = 0
     total_steps: int = 1000  # cosine horizon including warmup
@@ -76,11 +80,18 @@ def _decays(params: Params) -> Params:
 
 def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
     """The single-agent optimizer; `AgentGroup` vmaps it over the agent axis."""
-    adamw = optax.adamw(learning_rate_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                        weight_decay=cfg.weight_decay, mask=_decays)
+    lr = learning_rate_schedule(cfg)
+    if cfg.kind == "adamw":
+        opt = optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                          mask=_decays)
+    elif cfg.kind == "sgd":
+        opt = optax.chain(optax.add_decayed_weights(cfg.weight_decay, mask=_decays),
+                          optax.sgd(lr, momentum=cfg.b1))
+    else:
+        raise ValueError(f"unknown optimizer {cfg.kind!r}; expected adamw or sgd")
     if cfg.clip_norm is None:
-        return adamw
-    return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw)
+        return opt
+    return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), opt)
 
 
 # ----------------------------------------------------------------------------------------------

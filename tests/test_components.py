@@ -16,7 +16,7 @@ CHANGED = {
     "grpo.group_size": 6, "grpo.mode": "trajectory", "grpo.topk": 2, "grpo.select": "agents",
     "grpo.micro_batch": 4, "grpo.inner_steps": 3, "grpo.beta": 0.01, "grpo.eps_low": 0.1,
     "grpo.eps_high": 0.3, "grpo.kl": "k1", "grpo.aggregation": "token_mean",
-    "grpo.advantage": "loo", "grpo.learning_rate": 1e-6, "grpo.warmup_steps": 4,
+    "grpo.advantage": "loo", "grpo.optimizer": "sgd", "grpo.learning_rate": 1e-6, "grpo.warmup_steps": 4,
     "grpo.clip_norm": 0.7, "grpo.temperature": 0.9, "grpo.tempered_loss": True, "grpo.top_p": 0.9, "grpo.top_k": 20,
     "grpo.w_format": 0.2, "grpo.w_efficiency": 0.1, "grpo.w_grounding": 0.3,
     "grpo.grounding_match": "chars", "grpo.memory_branches": True, "grpo.neg_weight": 0.5,

@@ -96,6 +96,22 @@ def test_apply_gradients_equals_independent_optimizers_and_masks_bitwise():
     _assert_bitwise_equal(pick(group.opt_state), pick(before.opt_state))
 
 
+def test_sgd_is_heavy_ball_momentum_on_clipped_gradients():
+    """kind="sgd": v <- b1 v + g, p <- p - lr v, after clipping the global norm to clip_norm."""
+    cfg = ts.OptimConfig(learning_rate=0.1, kind="sgd", schedule="constant", b1=0.5, clip_norm=1.0)
+    params = _toy_params(num_agents=1)
+    group = ts.init_group(SUB, cfg, params, reference=False)
+    grads = jax.tree.map(lambda x: 10.0 * jnp.ones_like(x), params)
+    clipped = jax.tree.map(lambda g: g / optax.tree.norm(grads), grads)  # global norm 1
+    for _ in range(2):
+        group = ts.apply_gradients(group, grads, jnp.array([True]))
+    want = jax.tree.map(lambda p, g: p - 0.1 * (g + (0.5 * g + g)), params, clipped)
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7),
+                 group.params, want)
+    with pytest.raises(ValueError, match="unknown optimizer 'lion'"):
+        ts.make_optimizer(ts.OptimConfig(kind="lion"))
+
+
 def test_weight_decay_skips_biases():
     params = _toy_params(num_agents=1)
     group = ts.init_group(SUB, OPTIM, params, reference=False)
