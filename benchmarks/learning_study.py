@@ -14,7 +14,8 @@ Runs are cached as JSON under --root (one file per seed and variant), so the stu
 run piece by piece; --report aggregates whatever exists into `<out>.json` (one record per
 variant and seed: SFT and final accuracy with and without the memory, LLM calls, tokens, and
 how many `test` queries GRPO fixed and broke for the policies alone against SFT), a
-Markdown table (mean +- std over seeds) and `<out>.png` (rollout accuracy, and with
+Markdown table (mean +- std over seeds, then the questions behind each run's fixed and broken
+queries) and `<out>.png` (rollout accuracy, and with
 --eval_every held-out accuracy without the memory, against generated tokens). `--set KEY=VALUE`
 overrides apply to every run, and all but `grpo.*` and `memory.*` ones also to the seed's SFT
 checkpoint (use a separate --root for each setting).
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import collections
 import json
 import os
 import time
@@ -32,6 +34,7 @@ import numpy as np
 
 from joyagents_jax import checkpoint, experiment, train, xla_flags
 from joyagents_jax import config as config_lib
+from joyagents_jax.data import assistant_suite as suite
 
 # name: (description, config overrides) on top of the embedded default.
 VARIANTS = {
@@ -194,6 +197,32 @@ def records(runs: list[dict]) -> list[dict]:
     return out
 
 
+def flip_listing(root: str, runs: list[dict]) -> str:
+    """A Markdown table of the questions behind each GRPO run's fixed and broken `test` queries
+    (`q xN (fM)`: N of its queries, M records of it in `train`), most first; "" when no run has
+    per-query answers. Popular questions recur in `test`, so one question can move the accuracy
+    by several points."""
+    sft = {r["seed"]: r for r in runs if r["variant"] == "sft_only"}
+    pairs = [(r, sft[r["seed"]]) for r in runs
+             if r["variant"] != "sft_only" and flips(r, sft.get(r["seed"]))]
+    if not pairs:
+        return ""
+    c = config_for(0, {**pairs[0][0]["overrides"], "data_dir": os.path.join(root, "data")})
+    sources = experiment.load_sources(c, root)
+    qid = [suite.decode(sources["test"][i]).question_id for i in range(SPLITS["test"])]
+    train = collections.Counter(suite.decode(sources["train"][i]).question_id
+                                for i in range(len(sources["train"])))
+    names = lambda mask: ", ".join(f"{q} x{n} (f{train[q]})" for q, n in collections.Counter(
+        qid[i] for i in np.flatnonzero(mask)).most_common()) or "-"
+    lines = ["| variant | seed | fixed (questions) | broken (questions) |", "|---|---|---|---|"]
+    for r, base in sorted(pairs, key=lambda p: (p[0]["variant"], p[0]["seed"])):
+        after = np.asarray(r["test_answers_no_memory"]) > 0
+        before = np.asarray(base["test_answers_no_memory"]) > 0
+        lines.append(f"| {r['variant']} | {r['seed']} | {names(after & ~before)} | "
+                     f"{names(before & ~after)} |")
+    return "\n".join(lines)
+
+
 def report(root: str, out_md: str, out_png: str) -> str:
     runs = [json.load(open(os.path.join(root, f))) for f in sorted(os.listdir(root))
             if f.startswith("result_") and f.endswith(".json")]
@@ -238,6 +267,9 @@ def report(root: str, out_md: str, out_png: str) -> str:
                  stat([r["generated_tokens"] for r in rs], ".0f")]
         lines.append("| " + " | ".join(cells) + " |")
     table = "\n".join(lines)
+    listing = flip_listing(root, runs)
+    if listing:
+        table += "\n\nTest queries fixed and broken by GRPO, by question:\n\n" + listing
     with open(out_md, "w") as f:
         f.write(table + "\n")
     _plot(by_variant, out_png)
