@@ -89,11 +89,9 @@ def diagnose(workdir: str, step: int | None, split: str, samples: int, examples:
     if temperature is not None:  # sample at another temperature than the run's rollouts
         exp.parts = exp.parts._replace(sampling=dataclasses.replace(exp.parts.sampling,
                                                                     temperature=temperature))
-    source = exp.sources[split]
-    exs = [suite.decode(source[i]) for i in range(min(examples or len(source), len(source)))]
+    exs, greedy, _ = exp.greedy_episodes(run, split, examples or None, use_memory=False)
     tasks = [task_of(e) for e in exs]
     engine = lambda policy: rollout.Rollout(exp.system, exp.tokenizer, policy, exp.parts.rollout)
-    greedy = engine(exp.policy(run.train, jax.random.key(0), greedy=True)).episodes(tasks)
     correct = np.array([float(r.r_answer) for r in greedy.rewards])
     sampled = np.stack([[float(r.r_answer) for r in engine(
         exp.policy(run.train, jax.random.key(1 + g))).episodes(tasks).rewards]
