@@ -167,14 +167,20 @@ def run_variant(root: str, seed: int, name: str, tokens: int, max_steps: int,
             "test_answers_no_memory": answers, "overrides": extra or {}}
 
 
-def flips(run: dict, sft: dict | None) -> tuple[int, int] | None:
-    """(fixed, broken): `test` queries the policies alone answer after GRPO and did not at the
-    end of SFT, and the reverse; None without both runs' per-query answers."""
+def flip_masks(run: dict, sft: dict | None) -> tuple[np.ndarray, np.ndarray] | None:
+    """(fixed, broken) [Q] bool: `test` queries the policies alone answer after GRPO and did not
+    at the end of SFT, and the reverse; None without both runs' per-query answers."""
     after, before = run.get("test_answers_no_memory"), (sft or {}).get("test_answers_no_memory")
     if not after or not before:
         return None
     a, b = np.asarray(after) > 0, np.asarray(before) > 0
-    return int(np.sum(a & ~b)), int(np.sum(b & ~a))
+    return a & ~b, b & ~a
+
+
+def flips(run: dict, sft: dict | None) -> tuple[int, int] | None:
+    """(fixed, broken) counts of `flip_masks`."""
+    masks = flip_masks(run, sft)
+    return None if masks is None else (int(masks[0].sum()), int(masks[1].sum()))
 
 
 def records(runs: list[dict]) -> list[dict]:
@@ -216,10 +222,8 @@ def flip_listing(root: str, runs: list[dict]) -> str:
         qid[i] for i in np.flatnonzero(mask)).most_common()) or "-"
     lines = ["| variant | seed | fixed (questions) | broken (questions) |", "|---|---|---|---|"]
     for r, base in sorted(pairs, key=lambda p: (p[0]["variant"], p[0]["seed"])):
-        after = np.asarray(r["test_answers_no_memory"]) > 0
-        before = np.asarray(base["test_answers_no_memory"]) > 0
-        lines.append(f"| {r['variant']} | {r['seed']} | {names(after & ~before)} | "
-                     f"{names(before & ~after)} |")
+        fixed, broken = flip_masks(r, base)
+        lines.append(f"| {r['variant']} | {r['seed']} | {names(fixed)} | {names(broken)} |")
     return "\n".join(lines)
 
 
