@@ -76,11 +76,15 @@ def get_config() -> ml_collections.ConfigDict:
     c.lora = ml_collections.ConfigDict(dict(rank=0, alpha=16.0, targets="q|k|v|o|gate|up|down",
                                             groups=""))
 
-    # JoyAgents-R1: node-wise sampling, top-K (K=5) node groups by reward variance. Learning
-    # rate 1e-5: at 5e-5 the policies alone ended 2.7 points below SFT on 3 seeds (two agents
-    # stopped copying their observations), at 1e-5 2.3 points above it, and with the memory
-    # both reach 0.56 (benchmarks/RESULTS.md, "What moves the policies alone"). 12 queries per
-    # step (not 6) let the memory cover more of the traffic: +5 to +9.5 test points over SFT on
+    # JoyAgents-R1: node-wise sampling, every node group with a reward spread (topk=0; K > 0
+    # keeps the top K by reward variance), 36 queries per step, learning rate 3e-5. With 12
+    # queries and K=5 a step trained 3-4 node groups, and the policies alone ended +2.0 / -0.5 /
+    # +2.0 test points over SFT on 3 seeds (0.650 with the memory); with 36 queries and every
+    # informative group (5-39 per step) +2.5 / +8.0 / +2.0 (0.668 with the memory), for ~1.7x
+    # the GRPO phase's time (benchmarks/RESULTS.md, "Three times the queries"). At 12 queries,
+    # 5e-5 cost the policies alone 2.7 points on 3 seeds (two agents stopped copying their
+    # observations; "What moves the policies alone"). 12 queries per step (not 6) let the
+    # memory cover more of the traffic: +5 to +9.5 test points over SFT on
     # 3 seeds, against -4 to +6.5 with 6. Rollouts sample at temperature 0.3: at 0.7 a tiny
     # policy's sample is 11-19 points worse than its greedy answer and G = 4 samples find no more
     # answers than greedy decoding; at 0.3 a sample is as good and 8 find 14 points more
@@ -112,10 +116,10 @@ def get_config() -> ml_collections.ConfigDict:
     # learning rates 2e-4 and 1e-3 the policies alone ended 1.0 and 2.5 points below SFT,
     # against 0.5 with AdamW (benchmarks/RESULTS.md, "Which test answers GRPO changes").
     c.grpo = ml_collections.ConfigDict(dict(
-        steps=30, queries=12, group_size=4, mode="nodewise", topk=5, select="groups",
+        steps=30, queries=36, group_size=4, mode="nodewise", topk=0, select="groups",
         micro_batch=16, inner_steps=2, beta=0.04, eps_low=0.2, eps_high=0.28, kl="k3",
         aggregation="seq_mean_token_mean", advantage="std", optimizer="adamw",
-        learning_rate=1e-5, warmup_steps=0, clip_norm=1.0, temperature=0.3, tempered_loss=False,
+        learning_rate=3e-5, warmup_steps=0, clip_norm=1.0, temperature=0.3, tempered_loss=False,
         top_p=1.0, top_k=0, memory_groups="keep", w_format=0.1, w_efficiency=0.05,
         w_grounding=0.0, min_groups=0, max_refills=2, query_order="traffic",
         grounding_match="word", memory_branches=False, neg_weight=1.0, gold_branches=False))
