@@ -80,7 +80,7 @@ def get_config() -> ml_collections.ConfigDict:
     # keeps the top K by reward variance), 36 queries per step, learning rate 3e-5. With 12
     # queries and K=5 a step trained 3-4 node groups, and the policies alone ended +2.0 / -0.5 /
     # +2.0 test points over SFT on 3 seeds (0.650 with the memory); with 36 queries and every
-    # informative group (5-39 per step) +2.5 / +8.0 / +2.0 (0.668 with the memory), for ~1.7x
+    # informative group (0-39 per step) +2.5 / +8.0 / +2.0 (0.668 with the memory), for ~1.7x
     # the GRPO phase's time (benchmarks/RESULTS.md, "Three times the queries"). At 12 queries,
     # 5e-5 cost the policies alone 2.7 points on 3 seeds (two agents stopped copying their
     # observations; "What moves the policies alone"). 12 queries per step (not 6) let the
