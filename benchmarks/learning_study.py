@@ -59,8 +59,11 @@ VARIANTS = {
                   {"grpo.w_grounding": 0.2}),
     "grounding_kall": ("R_G (w_grounding=0.2) and every node group with a reward spread (K=all)",
                        {"grpo.w_grounding": 0.2, "grpo.topk": 0}),
-    "memory_branches": ("the default, node groups also at memory-answered nodes (the stored "
-                        "output beside G - 1 policy samples)", {"grpo.memory_branches": True}),
+    "memory_branches": ("node groups also at memory-answered nodes (the stored output beside "
+                        "G - 1 policy samples; the default since session 40)",
+                        {"grpo.memory_branches": True}),
+    "no_memory_branches": ("the default without node groups at memory-answered nodes (the "
+                           "default of session 39)", {"grpo.memory_branches": False}),
     "gold_branches": ("the default, the gold output a member of node groups where a rollout "
                       "leaves the gold trajectory (off-policy guidance)",
                       {"grpo.gold_branches": True}),

@@ -38,6 +38,14 @@ class Components(NamedTuple):
     lora: dict[str, lora.LoRAConfig | None]  # per agent group; None: full fine-tuning
 
 
+def memory_branches(c: ml_collections.ConfigDict) -> bool:
+    """grpo.memory_branches where it applies: node-wise rollouts that read the memory (the
+    default's switch is on; trajectory GRPO or a run without the memory simply has no such
+    nodes)."""
+    return bool(c.grpo.memory_branches and c.grpo.mode == "nodewise" and c.memory.enabled
+                and c.memory.in_rollouts)
+
+
 def build(c: ml_collections.ConfigDict) -> Components:
     s, g = c.sft, c.grpo
     rewards = rw.RewardConfig(w_format=g.w_format, w_efficiency=g.w_efficiency,
@@ -60,7 +68,7 @@ def build(c: ml_collections.ConfigDict) -> Components:
             neg_weight=g.neg_weight,
             micro_batch=g.micro_batch or None, agents_per_pass=c.agents_per_pass or None),
         rollout=rollout.RolloutConfig(g.mode, g.group_size, rewards,
-                                      memory_branches=g.memory_branches,
+                                      memory_branches=memory_branches(c),
                                       gold_branches=g.gold_branches),
         sampling=SamplingConfig(c.limits.max_tokens_per_node, temperature=g.temperature,
                                 top_k=g.top_k, top_p=g.top_p),

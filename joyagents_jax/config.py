@@ -76,12 +76,13 @@ def get_config() -> ml_collections.ConfigDict:
     c.lora = ml_collections.ConfigDict(dict(rank=0, alpha=16.0, targets="q|k|v|o|gate|up|down",
                                             groups=""))
 
-    # JoyAgents-R1: node-wise sampling, every node group with a reward spread (topk=0; K > 0
-    # keeps the top K by reward variance), 36 queries per step, learning rate 3e-5. With 12
-    # queries and K=5 a step trained 3-4 node groups, and the policies alone ended +2.0 / -0.5 /
-    # +2.0 test points over SFT on 3 seeds (0.650 with the memory); with 36 queries and every
-    # informative group (0-39 per step) +2.5 / +8.0 / +2.0 (0.668 with the memory), for ~1.7x
-    # the GRPO phase's time (benchmarks/RESULTS.md, "Three times the queries"). At 12 queries,
+    # JoyAgents-R1: node-wise sampling (at the memory's nodes too: memory_branches), every node
+    # group with a reward spread (topk=0; K > 0 keeps the top K by reward variance), 36 queries
+    # per step, learning rate 3e-5. With 12 queries and K=5 a step trained 3-4 node groups, and
+    # the policies alone ended +2.0 / -0.5 / +2.0 test points over SFT on 3 seeds (0.650 with
+    # the memory); with 36 queries and every informative group (0-39 per step) +2.5 / +8.0 /
+    # +2.0 (0.668 with the memory), for ~1.7x the GRPO phase's time (benchmarks/RESULTS.md,
+    # "Three times the queries"); 5e-5 there: +2.5 / -1.0 / -2.5. At 12 queries,
     # 5e-5 cost the policies alone 2.7 points on 3 seeds (two agents stopped copying their
     # observations; "What moves the policies alone"). 12 queries per step (not 6) let the
     # memory cover more of the traffic: +5 to +9.5 test points over SFT on
@@ -102,8 +103,13 @@ def get_config() -> ml_collections.ConfigDict:
     # grounding_match "word" counts verbatim words only, "chars" gives near copies partial
     # credit by character similarity. memory_branches: node-wise rollouts also branch at the
     # nodes the memory answered, the stored output one member of the node group and G - 1
-    # policy samples the others, so GRPO moves the policies toward the rewarded answers the
-    # memory holds and their own samples miss (False: memory-answered nodes train nothing).
+    # policy samples the others (False: memory-answered nodes train nothing). Without it the
+    # memory answers the popular questions in the rollouts, GRPO never sees the policies' own
+    # answers to them, and updates for other questions break some unseen: on 3 seeds the
+    # policies alone ended +6.5 / +7.5 / +3.5 test points over SFT with it, against +2.5 / +8.0
+    # / +2.0, for ~1.7x the sampler tokens (benchmarks/RESULTS.md, "The memory's nodes in the
+    # node groups"). No effect where rollouts do not read the memory (trajectory or full_tree
+    # mode, memory.enabled or memory.in_rollouts False).
     # neg_weight scales negative advantages (1: GRPO; 0: only samples that beat their group's
     # mean are reinforced). 0.25 moved the policies alone less than 1 on 3 seeds (+0.7 against
     # +2.3 points; benchmarks/RESULTS.md, "down-weighted negatives"). gold_branches: where a
@@ -122,7 +128,7 @@ def get_config() -> ml_collections.ConfigDict:
         learning_rate=3e-5, warmup_steps=0, clip_norm=1.0, temperature=0.3, tempered_loss=False,
         top_p=1.0, top_k=0, memory_groups="keep", w_format=0.1, w_efficiency=0.05,
         w_grounding=0.0, min_groups=0, max_refills=2, query_order="traffic",
-        grounding_match="word", memory_branches=False, neg_weight=1.0, gold_branches=False))
+        grounding_match="word", memory_branches=True, neg_weight=1.0, gold_branches=False))
 
     # Reuse needs a (near-)identical node input: with mean-pooled embeddings of a tiny model,
     # different prompts of one agent reach cosine 0.9996 (measured). Hints are off by default

@@ -277,14 +277,6 @@ def _grpo(c) -> Iterator[str]:
     if g.memory_groups == "drop" and g.mode == "full_tree":
         yield ("config.grpo.memory_groups=drop: full_tree rollouts do not mark memory-answered "
                "episodes; use grpo.mode=nodewise or trajectory, or memory_groups=keep.")
-    if g.memory_branches is True and g.mode != "nodewise":
-        yield (f"config.grpo.memory_branches=True: branching at memory-answered nodes is a "
-               f"node-wise rollout's; grpo.mode is {g.mode!r}. Use grpo.mode=nodewise or "
-               f"memory_branches=False.")
-    if g.memory_branches is True and not (c.memory.enabled and c.memory.in_rollouts):
-        yield ("config.grpo.memory_branches=True: no rollout node is memory-answered with "
-               "memory.enabled=False or memory.in_rollouts=False, so it would change nothing; "
-               "turn the memory on in rollouts or set memory_branches=False.")
     if g.gold_branches is True and g.mode != "nodewise":
         yield (f"config.grpo.gold_branches=True: a gold output joins node groups, which only "
                f"node-wise rollouts form; grpo.mode is {g.mode!r}. Use grpo.mode=nodewise or "

@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from joyagents_jax import components
+from joyagents_jax import components, config_checks
 from joyagents_jax import config as config_lib
 
 # A valid value different from the default, for every key a component reads.
@@ -19,7 +19,7 @@ CHANGED = {
     "grpo.advantage": "loo", "grpo.optimizer": "sgd", "grpo.learning_rate": 1e-6, "grpo.warmup_steps": 4,
     "grpo.clip_norm": 0.7, "grpo.temperature": 0.9, "grpo.tempered_loss": True, "grpo.top_p": 0.9, "grpo.top_k": 20,
     "grpo.w_format": 0.2, "grpo.w_efficiency": 0.1, "grpo.w_grounding": 0.3,
-    "grpo.grounding_match": "chars", "grpo.memory_branches": True, "grpo.neg_weight": 0.5,
+    "grpo.grounding_match": "chars", "grpo.memory_branches": False, "grpo.neg_weight": 0.5,
     "grpo.gold_branches": True,
     "memory.capacity": 7, "memory.response_len": 5, "memory.request_len": 6,
     "memory.tau_reuse": 0.99999, "memory.tau_hint": 0.999, "memory.hints": True, "memory.reuse": False,
@@ -68,6 +68,18 @@ def test_values_arrive_unchanged_where_names_match():
     assert parts.rollout.rewards.w_format == 0.2 and parts.rollout.group_size == 6
     assert parts.rollout.rewards.w_grounding == 0.3
     assert parts.rollout.rewards.grounding_match == "chars"
+
+
+@pytest.mark.parametrize("key,value", [("grpo.mode", "trajectory"), ("grpo.mode", "full_tree"),
+                                       ("memory.enabled", False), ("memory.in_rollouts", False)])
+def test_memory_branches_only_where_rollouts_read_the_memory(key, value):
+    """The default's memory_branches is a no-op, not an error, where no rollout node is
+    memory-answered: `--config.grpo.mode=trajectory` alone is a valid ablation."""
+    c = config_lib.get_config()
+    assert components.build(c).rollout.memory_branches
+    _set(c, key, value)
+    assert not components.build(c).rollout.memory_branches
+    assert config_checks.problems(c) == []
 
 
 @pytest.mark.parametrize("value,expected", [(1, 1), (3, 3), (0, None)])
