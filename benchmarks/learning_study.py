@@ -283,6 +283,20 @@ def report(root: str, out_md: str, out_png: str) -> str:
     return table
 
 
+def heldout_points(run: dict, sft_acc: float | None) -> list[tuple[int, float]]:
+    """(generated tokens, test accuracy of the policies alone): SFT's at 0 tokens, each
+    `--eval_every` evaluation, and the final evaluation where the run ran past the last one (a
+    token budget seldom ends on a multiple of eval_every). Empty for a run never evaluated
+    along the way."""
+    held = [(p["tokens"], p["test_acc_no_memory"]) for p in run["curve"]
+            if "test_acc_no_memory" in p]
+    if not held:
+        return []
+    if "test_acc_no_memory" not in run["curve"][-1]:
+        held.append((run["generated_tokens"], run["test_acc_no_memory"]))
+    return ([(0, sft_acc)] if sft_acc is not None else []) + held
+
+
 def _plot(by_variant: dict[str, list[dict]], path: str) -> None:
     """Left: rollout accuracy against generated tokens. Right (runs with --eval_every): held-out
     test accuracy of the policies without the memory against generated tokens, from SFT on."""
@@ -301,11 +315,9 @@ def _plot(by_variant: dict[str, list[dict]], path: str) -> None:
             acc = [p["accuracy"] for p in r["curve"]]
             y = [np.mean(acc[max(0, t - 2):t + 1]) for t in range(len(acc))]  # trailing mean
             rollout_ax.plot(x, y, color=color, alpha=0.7, lw=1, label=label)
-            held = [(p["tokens"], p["test_acc_no_memory"]) for p in r["curve"]
-                    if "test_acc_no_memory" in p]
-            if held:
-                start = [(0, sft[r["seed"]])] if r["seed"] in sft else []
-                hx, hy = zip(*(start + held))
+            held = heldout_points(r, sft.get(r["seed"]))
+            if len(held) > 1:
+                hx, hy = zip(*held)
                 heldout_ax.plot(hx, hy, color=color, alpha=0.7, lw=1, marker=".", label=label)
     rollout_ax.set_xlabel("generated tokens (sampler budget)")
     rollout_ax.set_ylabel("rollout accuracy (trailing 3-step mean)")

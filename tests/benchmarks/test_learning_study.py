@@ -1,0 +1,46 @@
+"""The learning study's pure helpers: held-out curve points and the fixed/broken test queries."""
+
+import importlib.util
+import pathlib
+
+import pytest
+
+_PATH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "learning_study.py"
+_SPEC = importlib.util.spec_from_file_location("learning_study", _PATH)
+ls = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(ls)
+
+
+def _run(evals, final_tokens, final_acc):
+    """A cached run whose curve has one point per step; evals: {step: accuracy}."""
+    steps = max([*evals, 1]) if final_tokens is None else final_tokens // 100
+    curve = [{"step": k, "tokens": 100 * k, **({"test_acc_no_memory": evals[k]} if k in evals
+                                               else {})} for k in range(1, steps + 1)]
+    return {"curve": curve, "generated_tokens": 100 * steps, "test_acc_no_memory": final_acc}
+
+
+def test_heldout_points_end_at_the_final_evaluation_past_the_last_eval_every():
+    run = _run({2: 0.6, 4: 0.7}, final_tokens=500, final_acc=0.65)
+    assert ls.heldout_points(run, 0.5) == [(0, 0.5), (200, 0.6), (400, 0.7), (500, 0.65)]
+
+
+def test_heldout_points_do_not_repeat_an_evaluation_at_the_last_step():
+    run = _run({2: 0.6, 4: 0.7}, final_tokens=400, final_acc=0.7)
+    assert ls.heldout_points(run, None) == [(200, 0.6), (400, 0.7)]
+
+
+def test_heldout_points_are_empty_without_evaluations_along_the_way():
+    assert ls.heldout_points(_run({}, final_tokens=300, final_acc=0.6), 0.5) == []
+
+
+@pytest.mark.parametrize("after,before,expected", [
+    ([1, 0, 1, 0], [0, 0, 1, 1], (1, 1)),
+    ([1, 1], [1, 1], (0, 0)),
+])
+def test_flips_count_fixed_and_broken_queries(after, before, expected):
+    assert ls.flips({"test_answers_no_memory": after},
+                    {"test_answers_no_memory": before}) == expected
+
+
+def test_flips_need_both_runs_answers():
+    assert ls.flips({"test_answers_no_memory": [1.0]}, None) is None
