@@ -13,7 +13,7 @@ _SPEC.loader.exec_module(ls)
 
 def _run(evals, final_tokens, final_acc):
     """A cached run whose curve has one point per step; evals: {step: accuracy}."""
-    steps = max([*evals, 1]) if final_tokens is None else final_tokens // 100
+    steps = final_tokens // 100
     curve = [{"step": k, "tokens": 100 * k, **({"test_acc_no_memory": evals[k]} if k in evals
                                                else {})} for k in range(1, steps + 1)]
     return {"curve": curve, "generated_tokens": 100 * steps, "test_acc_no_memory": final_acc}
