@@ -12,11 +12,11 @@ rollouts have generated `--tokens` tokens, and is evaluated greedily on all of `
 
 Runs are cached as JSON under --root (one file per seed and variant), so the study can be
 run piece by piece; --report aggregates whatever exists into `<out>.json` (one record per
-variant and seed: SFT and final accuracy with and without the memory, LLM calls, tokens, and
-how many `test` queries GRPO fixed and broke for the policies alone against SFT), a
-Markdown table (mean +- std over seeds, then the questions behind each run's fixed and broken
-queries) and `<out>.png` (rollout accuracy, and with
---eval_every held-out accuracy without the memory, against generated tokens). `--set KEY=VALUE`
+variant and seed: SFT and final accuracy with and without the memory, LLM calls, tokens, how
+many `test` queries GRPO fixed and broke for the policies alone against SFT, and on how many
+it raised and lowered their LLM calls), a Markdown table (mean +- std over seeds, then the
+questions behind each run's fixed and broken queries) and `<out>.png` (rollout accuracy, and
+with --eval_every held-out accuracy without the memory, against generated tokens). `--set KEY=VALUE`
 overrides apply to every run, and all but `grpo.*` and `memory.*` ones also to the seed's SFT
 checkpoint (use a separate --root for each setting).
 """
@@ -113,12 +113,13 @@ def sft_checkpoint(root: str, seed: int, data_dir: str, extra: dict) -> str:
     return workdir
 
 
-def evaluate(exp: experiment.Experiment, run) -> tuple[dict[str, float], list[float]]:
+def evaluate(exp: experiment.Experiment, run
+             ) -> tuple[dict[str, float], list[float], list[int]]:
     """Greedy evaluation on every split; with a memory also without it (prefix eval_nomem/),
     which separates what the GRPO updates did from what the memory does. Also returns each
-    `test` query's answer reward (1 or 0) of the policies alone: which queries GRPO fixed and
-    which it broke against SFT (`records`)."""
-    out, alone = {}, []
+    `test` query's answer reward (1 or 0) and LLM calls of the policies alone: which queries
+    GRPO fixed and which it broke against SFT (`records`), and where its calls moved."""
+    out, alone, calls = {}, [], []
     for split, n in SPLITS.items():
         for use_memory in (True, False) if run.memory else (False,):
             exs, result, seconds = exp.greedy_episodes(run, split, n, use_memory)
@@ -126,7 +127,8 @@ def evaluate(exp: experiment.Experiment, run) -> tuple[dict[str, float], list[fl
             out.update(experiment.summarize(exs, result, seconds, prefix + split))
             if split == "test" and not use_memory:
                 alone = [float(p.r_answer) for p in result.rewards]
-    return out, alone
+                calls = [int(t.episode.llm_calls) for t in result.episodes]
+    return out, alone, calls
 
 
 def run_variant(root: str, seed: int, name: str, tokens: int, max_steps: int,
@@ -160,14 +162,15 @@ def run_variant(root: str, seed: int, name: str, tokens: int, max_steps: int,
                 point["test_acc_no_memory"] = exp.evaluate(run, "test", SPLITS["test"],
                                                            use_memory=False)["eval/test/accuracy"]
             curve.append(point)
-    ev, answers = evaluate(exp, run)
+    ev, answers, calls = evaluate(exp, run)
     alone = lambda key: ev.get(key.replace("eval/", "eval_nomem/", 1), ev[key])
     return {"seed": seed, "variant": name, "steps": len(curve), "generated_tokens": generated,
             "seconds": time.time() - start, "curve": curve, "eval": ev,
             "test_acc": ev["eval/test/accuracy"],
             "test_acc_no_memory": alone("eval/test/accuracy"),
             "llm_calls_no_memory": alone("eval/test/llm_calls_per_query"),
-            "test_answers_no_memory": answers, "overrides": extra or {}}
+            "test_answers_no_memory": answers, "test_calls_no_memory": calls,
+            "overrides": extra or {}}
 
 
 def flip_masks(run: dict, sft: dict | None) -> tuple[np.ndarray, np.ndarray] | None:
@@ -186,21 +189,34 @@ def flips(run: dict, sft: dict | None) -> tuple[int, int] | None:
     return None if masks is None else (int(masks[0].sum()), int(masks[1].sum()))
 
 
+def call_moves(run: dict, sft: dict | None) -> tuple[int, int] | None:
+    """(more, fewer): `test` queries on which the policies alone make more LLM calls after GRPO
+    than at the end of SFT, and fewer; None without both runs' per-query calls. The mean calls
+    per query hide which way single queries moved (a fixed query may need a call SFT skipped)."""
+    after, before = run.get("test_calls_no_memory"), (sft or {}).get("test_calls_no_memory")
+    if not after or not before:
+        return None
+    delta = np.asarray(after) - np.asarray(before)
+    return int((delta > 0).sum()), int((delta < 0).sum())
+
+
 def records(runs: list[dict]) -> list[dict]:
     """One record per (variant, seed): accuracy and LLM calls after GRPO, with and without the
-    memory, beside the same seed's end-of-SFT figures (from its `sft_only` run), and the test
-    queries GRPO fixed and broke for the policies alone."""
+    memory, beside the same seed's end-of-SFT figures (from its `sft_only` run), the test
+    queries GRPO fixed and broke for the policies alone, and those whose calls it moved."""
     sft = {r["seed"]: r for r in runs if r["variant"] == "sft_only"}
     out = []
     for r in runs:
         base = sft.get(r["seed"])
         fixed, broken = flips(r, base) or (None, None)
+        more, fewer = call_moves(r, base) or (None, None)
         out.append({"variant": r["variant"], "seed": r["seed"],
                     "sft_test_acc": base["test_acc"] if base else None,
                     "test_acc": r["test_acc"], "test_acc_no_memory": r["test_acc_no_memory"],
                     "sft_llm_calls": base["llm_calls_no_memory"] if base else None,
                     "llm_calls_no_memory": r["llm_calls_no_memory"],
                     "fixed_no_memory": fixed, "broken_no_memory": broken,
+                    "more_calls_no_memory": more, "fewer_calls_no_memory": fewer,
                     "generated_tokens": r["generated_tokens"], "steps": r["steps"],
                     "overrides": r.get("overrides", {})})
     return out
@@ -249,12 +265,14 @@ def report(root: str, out_md: str, out_png: str) -> str:
     gain = lambda rs: stat([r["eval"]["eval/test/accuracy"] - sft[r["seed"]] for r in rs
                             if r["seed"] in sft] or [float("nan")])
     sft_runs = {r["seed"]: r for r in by_variant.get("sft_only", [])}
-    counts = lambda rs: [c for c in (flips(r, sft_runs.get(r["seed"])) for r in rs) if c]
-    flip_cells = lambda rs: (" / ".join(stat(list(x), ".1f") for x in zip(*counts(rs)))
-                             if counts(rs) else "-")
+    counts = lambda rs, pair: [c for c in (pair(r, sft_runs.get(r["seed"])) for r in rs) if c]
+    pair_cells = lambda rs, pair: (" / ".join(stat(list(x), ".1f")
+                                              for x in zip(*counts(rs, pair)))
+                                   if counts(rs, pair) else "-")
     head = ["variant", "seeds", "test acc", "gain over SFT", *domains, "test acc without memory",
             "test queries fixed / broken without memory", "test_novel acc",
-            "LLM calls / query", "memory hit rate", "GRPO steps",
+            "LLM calls / query", "test queries with more / fewer calls without memory",
+            "memory hit rate", "GRPO steps",
             "generated tokens"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name in VARIANTS:
@@ -267,8 +285,8 @@ def report(root: str, out_md: str, out_png: str) -> str:
                  *[stat(ev(f"eval/test/accuracy/{d}")) for d in domains],
                  stat([r["eval"].get("eval_nomem/test/accuracy", r["eval"]["eval/test/accuracy"])
                        for r in rs]),
-                 flip_cells(rs), stat(ev("eval/test_novel/accuracy")),
-                 stat(ev("eval/test/llm_calls_per_query")),
+                 pair_cells(rs, flips), stat(ev("eval/test_novel/accuracy")),
+                 stat(ev("eval/test/llm_calls_per_query")), pair_cells(rs, call_moves),
                  stat(ev("eval/test/memory_hit_rate")),
                  stat([r["steps"] for r in rs], ".1f"),
                  stat([r["generated_tokens"] for r in rs], ".0f")]

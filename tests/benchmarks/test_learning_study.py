@@ -44,3 +44,12 @@ def test_flips_count_fixed_and_broken_queries(after, before, expected):
 
 def test_flips_need_both_runs_answers():
     assert ls.flips({"test_answers_no_memory": [1.0]}, None) is None
+
+
+def test_call_moves_count_queries_with_more_and_fewer_calls():
+    assert ls.call_moves({"test_calls_no_memory": [4, 3, 5, 4]},
+                         {"test_calls_no_memory": [3, 3, 6, 4]}) == (1, 1)
+
+
+def test_call_moves_need_both_runs_calls():
+    assert ls.call_moves({"test_calls_no_memory": [4]}, {"test_answers_no_memory": [1.0]}) is None
