@@ -13,12 +13,13 @@ rollouts have generated `--tokens` tokens, and is evaluated greedily on all of `
 Runs are cached as JSON under --root (one file per seed and variant), so the study can be
 run piece by piece; --report aggregates whatever exists into `<out>.json` (one record per
 variant and seed: SFT and final accuracy with and without the memory, LLM calls, tokens, how
-many `test` queries GRPO fixed and broke for the policies alone against SFT, and on how many
-it raised and lowered their LLM calls), a Markdown table (mean +- std over seeds, then the
-questions behind each run's fixed and broken queries) and `<out>.png` (rollout accuracy, and
-with --eval_every held-out accuracy without the memory, against generated tokens). `--set KEY=VALUE`
-overrides apply to every run, and all but `grpo.*` and `memory.*` ones also to the seed's SFT
-checkpoint (use a separate --root for each setting).
+many `test` queries GRPO fixed and broke for the policies alone against SFT, on how many it
+raised and lowered their LLM calls, and their calls above and below each query's minimum), a
+Markdown table (mean +- std over seeds, then the questions behind each run's fixed and broken
+queries) and `<out>.png` (rollout accuracy, and with --eval_every held-out accuracy without the
+memory, against generated tokens). `--set KEY=VALUE` overrides apply to every run, and all but
+`grpo.*` and `memory.*` ones also to the seed's SFT checkpoint (use a separate --root for each
+setting).
 """
 
 from __future__ import annotations
@@ -113,22 +114,24 @@ def sft_checkpoint(root: str, seed: int, data_dir: str, extra: dict) -> str:
     return workdir
 
 
-def evaluate(exp: experiment.Experiment, run
-             ) -> tuple[dict[str, float], list[float], list[int]]:
+def evaluate(exp: experiment.Experiment, run) -> tuple[dict[str, float], dict[str, list]]:
     """Greedy evaluation on every split; with a memory also without it (prefix eval_nomem/),
     which separates what the GRPO updates did from what the memory does. Also returns each
-    `test` query's answer reward (1 or 0) and LLM calls of the policies alone: which queries
-    GRPO fixed and which it broke against SFT (`records`), and where its calls moved."""
-    out, alone, calls = {}, [], []
+    `test` query's answer reward (1 or 0), LLM calls and its gold trajectory's calls (the
+    minimum) for the policies alone: which queries GRPO fixed and which it broke against SFT
+    (`records`), and where its calls moved."""
+    out, per_query = {}, {}
     for split, n in SPLITS.items():
         for use_memory in (True, False) if run.memory else (False,):
             exs, result, seconds = exp.greedy_episodes(run, split, n, use_memory)
             prefix = "eval_nomem/" if run.memory and not use_memory else "eval/"
             out.update(experiment.summarize(exs, result, seconds, prefix + split))
             if split == "test" and not use_memory:
-                alone = [float(p.r_answer) for p in result.rewards]
-                calls = [int(t.episode.llm_calls) for t in result.episodes]
-    return out, alone, calls
+                per_query = {
+                    "test_answers_no_memory": [float(p.r_answer) for p in result.rewards],
+                    "test_calls_no_memory": [int(t.episode.llm_calls) for t in result.episodes],
+                    "test_min_calls": [int(e.min_llm_calls) for e in exs]}
+    return out, per_query
 
 
 def run_variant(root: str, seed: int, name: str, tokens: int, max_steps: int,
@@ -162,15 +165,14 @@ def run_variant(root: str, seed: int, name: str, tokens: int, max_steps: int,
                 point["test_acc_no_memory"] = exp.evaluate(run, "test", SPLITS["test"],
                                                            use_memory=False)["eval/test/accuracy"]
             curve.append(point)
-    ev, answers, calls = evaluate(exp, run)
+    ev, per_query = evaluate(exp, run)
     alone = lambda key: ev.get(key.replace("eval/", "eval_nomem/", 1), ev[key])
     return {"seed": seed, "variant": name, "steps": len(curve), "generated_tokens": generated,
             "seconds": time.time() - start, "curve": curve, "eval": ev,
             "test_acc": ev["eval/test/accuracy"],
             "test_acc_no_memory": alone("eval/test/accuracy"),
             "llm_calls_no_memory": alone("eval/test/llm_calls_per_query"),
-            "test_answers_no_memory": answers, "test_calls_no_memory": calls,
-            "overrides": extra or {}}
+            **per_query, "overrides": extra or {}}
 
 
 def flip_masks(run: dict, sft: dict | None) -> tuple[np.ndarray, np.ndarray] | None:
@@ -200,6 +202,17 @@ def call_moves(run: dict, sft: dict | None) -> tuple[int, int] | None:
     return int((delta > 0).sum()), int((delta < 0).sum())
 
 
+def calls_against_minimum(run: dict) -> tuple[float, float] | None:
+    """(above, below): the policies alone's LLM calls per `test` query above its gold
+    trajectory's (redundant calls, what R_E penalizes) and below it (episodes that ended early:
+    a malformed output, an answer before the needed sub-agents); None without per-query calls."""
+    calls, least = run.get("test_calls_no_memory"), run.get("test_min_calls")
+    if not calls or not least:
+        return None
+    over = np.asarray(calls) - np.asarray(least)
+    return float(np.maximum(over, 0).mean()), float(np.maximum(-over, 0).mean())
+
+
 def records(runs: list[dict]) -> list[dict]:
     """One record per (variant, seed): accuracy and LLM calls after GRPO, with and without the
     memory, beside the same seed's end-of-SFT figures (from its `sft_only` run), the test
@@ -210,6 +223,7 @@ def records(runs: list[dict]) -> list[dict]:
         base = sft.get(r["seed"])
         fixed, broken = flips(r, base) or (None, None)
         more, fewer = call_moves(r, base) or (None, None)
+        above, below = calls_against_minimum(r) or (None, None)
         out.append({"variant": r["variant"], "seed": r["seed"],
                     "sft_test_acc": base["test_acc"] if base else None,
                     "test_acc": r["test_acc"], "test_acc_no_memory": r["test_acc_no_memory"],
@@ -217,6 +231,7 @@ def records(runs: list[dict]) -> list[dict]:
                     "llm_calls_no_memory": r["llm_calls_no_memory"],
                     "fixed_no_memory": fixed, "broken_no_memory": broken,
                     "more_calls_no_memory": more, "fewer_calls_no_memory": fewer,
+                    "calls_above_min_no_memory": above, "calls_below_min_no_memory": below,
                     "generated_tokens": r["generated_tokens"], "steps": r["steps"],
                     "overrides": r.get("overrides", {})})
     return out
@@ -266,14 +281,17 @@ def report(root: str, out_md: str, out_png: str) -> str:
                             if r["seed"] in sft] or [float("nan")])
     sft_runs = {r["seed"]: r for r in by_variant.get("sft_only", [])}
     counts = lambda rs, pair: [c for c in (pair(r, sft_runs.get(r["seed"])) for r in rs) if c]
+    against = lambda rs: [c for c in map(calls_against_minimum, rs) if c]
+    minimum_cells = lambda rs: (" / ".join(stat(list(x)) for x in zip(*against(rs)))
+                                if against(rs) else "-")
     pair_cells = lambda rs, pair: (" / ".join(stat(list(x), ".1f")
                                               for x in zip(*counts(rs, pair)))
                                    if counts(rs, pair) else "-")
     head = ["variant", "seeds", "test acc", "gain over SFT", *domains, "test acc without memory",
             "test queries fixed / broken without memory", "test_novel acc",
             "LLM calls / query", "test queries with more / fewer calls without memory",
-            "memory hit rate", "GRPO steps",
-            "generated tokens"]
+            "calls / query above / below the minimum without memory", "memory hit rate",
+            "GRPO steps", "generated tokens"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name in VARIANTS:
         rs = by_variant.get(name)
@@ -287,6 +305,7 @@ def report(root: str, out_md: str, out_png: str) -> str:
                        for r in rs]),
                  pair_cells(rs, flips), stat(ev("eval/test_novel/accuracy")),
                  stat(ev("eval/test/llm_calls_per_query")), pair_cells(rs, call_moves),
+                 minimum_cells(rs),
                  stat(ev("eval/test/memory_hit_rate")),
                  stat([r["steps"] for r in rs], ".1f"),
                  stat([r["generated_tokens"] for r in rs], ".0f")]

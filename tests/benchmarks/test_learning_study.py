@@ -53,3 +53,13 @@ def test_call_moves_count_queries_with_more_and_fewer_calls():
 
 def test_call_moves_need_both_runs_calls():
     assert ls.call_moves({"test_calls_no_memory": [4]}, {"test_answers_no_memory": [1.0]}) is None
+
+
+def test_calls_against_minimum_split_redundant_calls_from_early_ends():
+    above, below = ls.calls_against_minimum({"test_calls_no_memory": [5, 3, 4, 7],
+                                             "test_min_calls": [4, 4, 4, 7]})
+    assert (above, below) == (0.25, 0.25)
+
+
+def test_calls_against_minimum_need_the_minimum():
+    assert ls.calls_against_minimum({"test_calls_no_memory": [5]}) is None
