@@ -280,13 +280,9 @@ def report(root: str, out_md: str, out_png: str) -> str:
     gain = lambda rs: stat([r["eval"]["eval/test/accuracy"] - sft[r["seed"]] for r in rs
                             if r["seed"] in sft] or [float("nan")])
     sft_runs = {r["seed"]: r for r in by_variant.get("sft_only", [])}
-    counts = lambda rs, pair: [c for c in (pair(r, sft_runs.get(r["seed"])) for r in rs) if c]
-    against = lambda rs: [c for c in map(calls_against_minimum, rs) if c]
-    minimum_cells = lambda rs: (" / ".join(stat(list(x)) for x in zip(*against(rs)))
-                                if against(rs) else "-")
-    pair_cells = lambda rs, pair: (" / ".join(stat(list(x), ".1f")
-                                              for x in zip(*counts(rs, pair)))
-                                   if counts(rs, pair) else "-")
+    vs_sft = lambda rs, pair: [c for c in (pair(r, sft_runs.get(r["seed"])) for r in rs) if c]
+    joined = lambda tuples, f: (" / ".join(stat(list(x), f) for x in zip(*tuples))
+                                if tuples else "-")
     head = ["variant", "seeds", "test acc", "gain over SFT", *domains, "test acc without memory",
             "test queries fixed / broken without memory", "test_novel acc",
             "LLM calls / query", "test queries with more / fewer calls without memory",
@@ -303,9 +299,9 @@ def report(root: str, out_md: str, out_png: str) -> str:
                  *[stat(ev(f"eval/test/accuracy/{d}")) for d in domains],
                  stat([r["eval"].get("eval_nomem/test/accuracy", r["eval"]["eval/test/accuracy"])
                        for r in rs]),
-                 pair_cells(rs, flips), stat(ev("eval/test_novel/accuracy")),
-                 stat(ev("eval/test/llm_calls_per_query")), pair_cells(rs, call_moves),
-                 minimum_cells(rs),
+                 joined(vs_sft(rs, flips), ".1f"), stat(ev("eval/test_novel/accuracy")),
+                 stat(ev("eval/test/llm_calls_per_query")), joined(vs_sft(rs, call_moves), ".1f"),
+                 joined([c for c in map(calls_against_minimum, rs) if c], ".3f"),
                  stat(ev("eval/test/memory_hit_rate")),
                  stat([r["steps"] for r in rs], ".1f"),
                  stat([r["generated_tokens"] for r in rs], ".0f")]
