@@ -4,11 +4,12 @@ an equal sampler-token budget.
 Every variant of a seed starts from the same SFT checkpoint (the default's SFT phase, made
 once per seed with `joyagents train --config.grpo.steps=0`), then runs GRPO steps until the
 rollouts have generated `--tokens` tokens, and is evaluated greedily on all of `test` and
-`test_novel` (with its memory when it has one). `sft_only` is the checkpoint itself.
+`test_novel` (with its memory when it has one). `sft_only` is the checkpoint itself;
+`sft_clean` one trained on the gold demonstrations, the baseline of the imperfect demonstrator.
 
-    python benchmarks/learning_study.py --seeds 0 --variants joyagents          # one run, ~4 min
-    python benchmarks/learning_study.py --seeds 0,1,2                            # the study
-    python benchmarks/learning_study.py --report                                 # table + plot
+    python benchmarks/learning_study.py --seeds 0 --variants joyagents   # one run (SFT once)
+    python benchmarks/learning_study.py --seeds 0,1,2                     # the study
+    python benchmarks/learning_study.py --report                          # table + plot
 
 Runs are cached as JSON under --root (one file per seed and variant), so the study can be
 run piece by piece; --report aggregates whatever exists into `<out>.json` (one record per
@@ -19,7 +20,8 @@ Markdown table (mean +- std over seeds, then the questions behind each run's fix
 queries) and `<out>.png` (rollout accuracy, and with --eval_every held-out accuracy without the
 memory, against generated tokens). `--set KEY=VALUE` overrides apply to every run, and all but
 `grpo.*` and `memory.*` ones also to the seed's SFT checkpoint (use a separate --root for each
-setting).
+setting). A variant that overrides other keys (`sft_clean`) trains its own SFT checkpoint per
+seed; one that overrides a key --set also sets is refused.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ from joyagents_jax.data import assistant_suite as suite
 # name: (description, config overrides) on top of the embedded default.
 VARIANTS = {
     "sft_only": ("SFT only", {}),
+    "sft_clean": ("SFT only on the gold demonstrations (the default before the imperfect "
+                  "demonstrator)", {"sft.demo_redundant_call": 0.0, "max_len": 384}),
     "default": ("the README default (JoyAgents-R1 as `joyagents train` runs it)", {}),
     "lr_5e-5": ("the default at the previous learning rate 5e-5", {"grpo.learning_rate": 5e-5}),
     "trajectory": ("trajectory GRPO, all groups, no memory",
@@ -101,13 +105,29 @@ def config_for(seed: int, overrides: dict) -> "config_lib.ml_collections.ConfigD
     return c
 
 
-def sft_checkpoint(root: str, seed: int, data_dir: str, extra: dict) -> str:
-    """The seed's SFT workdir, trained (SFT phase only, with the overrides of `extra` other than
-    `grpo.*` and `memory.*`, e.g. the demonstrator's rates or max_len) unless its end-of-SFT
-    checkpoint exists (e.g. copied from a default run of that seed: the SFT phases are
-    identical)."""
-    workdir = os.path.join(root, f"sft_s{seed}")
-    sft = {k: v for k, v in extra.items() if not k.startswith(("grpo.", "memory."))}
+def is_sft(name: str) -> bool:
+    """Variants that evaluate an SFT checkpoint as it is (no GRPO steps)."""
+    return name.startswith("sft_")
+
+
+def sft_overrides(overrides: dict) -> dict:
+    """The overrides that change the SFT phase: all but `grpo.*` and `memory.*`."""
+    return {k: v for k, v in overrides.items() if not k.startswith(("grpo.", "memory."))}
+
+
+def conflicts(name: str, extra: dict) -> list[str]:
+    """Keys that both variant `name` and the --set overrides set, to different values."""
+    own = VARIANTS[name][1]
+    return sorted(k for k in own.keys() & extra.keys() if own[k] != extra[k])
+
+
+def sft_checkpoint(root: str, seed: int, data_dir: str, extra: dict, tag: str = "") -> str:
+    """The seed's SFT workdir (`sft_s<seed>`, or `sft_<tag>_s<seed>` for a variant with SFT
+    overrides of its own), trained (SFT phase only, with `sft_overrides(extra)`, e.g. the
+    demonstrator's rates or max_len) unless its end-of-SFT checkpoint exists (e.g. copied from a
+    default run of that seed: the SFT phases are identical)."""
+    workdir = os.path.join(root, f"sft_{tag}_s{seed}" if tag else f"sft_s{seed}")
+    sft = sft_overrides(extra)
     c = config_for(seed, {**sft, "grpo.steps": 0, "data_dir": data_dir})
     if not os.path.isdir(os.path.join(workdir, "checkpoints", str(c.sft.steps))):
         train.train(c, workdir)
@@ -141,8 +161,10 @@ def run_variant(root: str, seed: int, name: str, tokens: int, max_steps: int,
     (0: never) the policies are also evaluated on `test` without the memory, for the curve of
     held-out accuracy against sampler tokens."""
     data_dir = os.path.join(root, "data")
-    sft_dir = sft_checkpoint(root, seed, data_dir, extra or {})
-    c = config_for(seed, {**VARIANTS[name][1], **(extra or {}), "data_dir": data_dir})
+    overrides = {**VARIANTS[name][1], **(extra or {})}
+    tag = name if sft_overrides(VARIANTS[name][1]) else ""
+    sft_dir = sft_checkpoint(root, seed, data_dir, overrides, tag)
+    c = config_for(seed, {**overrides, "data_dir": data_dir})
     exp = experiment.Experiment(c, os.path.join(root, f"{name}_s{seed}"))
     with checkpoint.Checkpointer(os.path.join(sft_dir, "checkpoints"), keep=10) as ckpt:
         run = train.restore(exp, ckpt)
@@ -150,7 +172,7 @@ def run_variant(root: str, seed: int, name: str, tokens: int, max_steps: int,
         raise RuntimeError(f"{sft_dir} holds step {int(run.step)} ({run.phase}), not the end "
                            f"of SFT.")
     start, curve, generated = time.time(), [], 0
-    if name != "sft_only":
+    if not is_sft(name):
         run = exp.start_grpo(run)
         for k in range(max_steps):
             if generated >= tokens:
@@ -244,7 +266,7 @@ def flip_listing(root: str, runs: list[dict]) -> str:
     by several points."""
     sft = {r["seed"]: r for r in runs if r["variant"] == "sft_only"}
     pairs = [(r, sft[r["seed"]]) for r in runs
-             if r["variant"] != "sft_only" and flips(r, sft.get(r["seed"]))]
+             if not is_sft(r["variant"]) and flips(r, sft.get(r["seed"]))]
     if not pairs:
         return ""
     c = config_for(0, {**pairs[0][0]["overrides"], "data_dir": os.path.join(root, "data")})
@@ -375,15 +397,22 @@ def main() -> None:
     p.add_argument("--eval_every", type=int, default=0,
                    help="evaluate test without the memory every N GRPO steps (0: at the end)")
     p.add_argument("--report", action="store_true", help="only aggregate the cached runs")
-    p.add_argument("--out", default="benchmarks/learning_study")
+    p.add_argument("--out", default=None, help="report path without extension (default: "
+                   "<root>/study; benchmarks/learning_study is the recorded study)")
     a = p.parse_args()
     os.makedirs(a.root, exist_ok=True)
     extra = parse_overrides(a.set)
+    names = a.variants.split(",")
+    for name in names:
+        if name not in VARIANTS:
+            raise SystemExit(f"unknown variant {name!r}; choose from {list(VARIANTS)}")
+        if conflicts(name, extra):
+            raise SystemExit(f"--set overrides {conflicts(name, extra)}, which variant {name!r} "
+                             f"sets itself; drop them or run another variant.")
+    out = a.out or os.path.join(a.root, "study")
     if not a.report:
         for seed in map(int, a.seeds.split(",")):
-            for name in a.variants.split(","):
-                if name not in VARIANTS:
-                    raise SystemExit(f"unknown variant {name!r}; choose from {list(VARIANTS)}")
+            for name in names:
                 path = os.path.join(a.root, f"result_{name}_s{seed}.json")
                 if os.path.exists(path):
                     continue
@@ -393,7 +422,7 @@ def main() -> None:
                     json.dump(result, f, indent=1)
                 print(name, seed, {k: round(v, 3) for k, v in result["eval"].items()
                                    if k.endswith("accuracy") or "llm_calls" in k}, flush=True)
-    print(report(a.root, a.out + ".md", a.out + ".png"))
+    print(report(a.root, out + ".md", out + ".png"))
 
 
 if __name__ == "__main__":

@@ -63,3 +63,29 @@ def test_calls_against_minimum_split_redundant_calls_from_early_ends():
 
 def test_calls_against_minimum_need_the_minimum():
     assert ls.calls_against_minimum({"test_calls_no_memory": [5]}) is None
+
+
+def test_sft_overrides_keep_what_changes_the_sft_phase():
+    assert ls.sft_overrides({"max_len": 384, "sft.demo_redundant_call": 0.0, "grpo.topk": 1,
+                             "memory.enabled": False}) == {"max_len": 384,
+                                                           "sft.demo_redundant_call": 0.0}
+
+
+def test_conflicts_name_keys_set_twice_to_different_values():
+    assert ls.conflicts("sft_clean", {"max_len": 512, "sft.demo_redundant_call": 0.0,
+                                      "grpo.topk": 1}) == ["max_len"]
+    assert ls.conflicts("default", {"max_len": 512}) == []
+
+
+def test_only_variants_with_sft_overrides_train_their_own_sft_checkpoint(tmp_path, monkeypatch):
+    trained = []
+    monkeypatch.setattr(ls.train, "train", lambda c, workdir: trained.append((c, workdir)))
+    root, steps = str(tmp_path), ls.config_for(0, {}).sft.steps
+    (tmp_path / "sft_s1" / "checkpoints" / str(steps)).mkdir(parents=True)
+    assert ls.sft_checkpoint(root, 1, "data", {"grpo.topk": 1}) == str(tmp_path / "sft_s1")
+    assert not trained  # its end-of-SFT checkpoint exists
+    workdir = ls.sft_checkpoint(root, 1, "data", ls.VARIANTS["sft_clean"][1], "sft_clean")
+    assert workdir == str(tmp_path / "sft_sft_clean_s1")
+    (c, where), = trained
+    assert where == workdir
+    assert (c.seed, c.max_len, c.sft.demo_redundant_call, c.grpo.steps) == (1, 384, 0.0, 0)
