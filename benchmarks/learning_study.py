@@ -362,6 +362,9 @@ def _plot(by_variant: dict[str, list[dict]], path: str) -> None:
     sft = {r["seed"]: r["test_acc"] for r in by_variant.get("sft_only", [])}
     for name, rs in ((n, by_variant[n]) for n in VARIANTS if n in by_variant):
         color = f"C{list(VARIANTS).index(name)}"
+        if is_sft(name) and name != "sft_only":  # another SFT's accuracy: a baseline at 0 tokens
+            heldout_ax.scatter([0] * len(rs), [r["test_acc_no_memory"] for r in rs],
+                               color=color, marker="x", label=VARIANTS[name][0])
         for i, r in enumerate(rs):
             if not r["curve"]:
                 continue
@@ -379,6 +382,7 @@ def _plot(by_variant: dict[str, list[dict]], path: str) -> None:
     rollout_ax.legend(fontsize=7)
     heldout_ax.set_xlabel("generated tokens (sampler budget)")
     heldout_ax.set_ylabel("test accuracy, policies without memory (greedy)")
+    heldout_ax.legend(fontsize=7)
     fig.savefig(path, dpi=120)
 
 
