@@ -410,8 +410,8 @@ def main() -> None:
     for name in names:
         if name not in VARIANTS:
             raise SystemExit(f"unknown variant {name!r}; choose from {list(VARIANTS)}")
-        if conflicts(name, extra):
-            raise SystemExit(f"--set overrides {conflicts(name, extra)}, which variant {name!r} "
+        if clash := conflicts(name, extra):
+            raise SystemExit(f"--set overrides {clash}, which variant {name!r} "
                              f"sets itself; drop them or run another variant.")
     out = a.out or os.path.join(a.root, "study")
     if not a.report:
