@@ -265,7 +265,7 @@ def _grpo(c) -> Iterator[str]:
                     _number(c, "grpo.top_p", low=0, high=1, low_open=True),
                     _number(c, "grpo.top_k", low=0, integer=True, why="0 = no top-k cut"),
                     _flag(c, "grpo.tempered_loss"), _flag(c, "grpo.memory_branches"),
-                    _flag(c, "grpo.gold_branches"),
+                    _flag(c, "grpo.gold_branches"), _flag(c, "grpo.share_identical"),
                     _choice(c, "grpo.memory_groups", MEMORY_GROUPS),
                     _choice(c, "grpo.query_order", QUERY_ORDERS),
                     _number(c, "grpo.w_format", low=0), _number(c, "grpo.w_efficiency", low=0),
@@ -277,10 +277,11 @@ def _grpo(c) -> Iterator[str]:
     if g.memory_groups == "drop" and g.mode == "full_tree":
         yield ("config.grpo.memory_groups=drop: full_tree rollouts do not mark memory-answered "
                "episodes; use grpo.mode=nodewise or trajectory, or memory_groups=keep.")
-    if g.gold_branches is True and g.mode != "nodewise":
-        yield (f"config.grpo.gold_branches=True: a gold output joins node groups, which only "
-               f"node-wise rollouts form; grpo.mode is {g.mode!r}. Use grpo.mode=nodewise or "
-               f"gold_branches=False.")
+    for name, what in (("gold_branches", "a gold output joins node groups"),
+                       ("share_identical", "equal outputs of a node group share a reward")):
+        if g[name] is True and g.mode != "nodewise":
+            yield (f"config.grpo.{name}=True: {what}, which only node-wise rollouts form; "
+                   f"grpo.mode is {g.mode!r}. Use grpo.mode=nodewise or {name}=False.")
     mb = g.micro_batch
     if isinstance(mb, int) and mb > 0 and mb & (mb - 1):
         yield (f"config.grpo.micro_batch={mb}: must be a power of two (rows per agent in one "

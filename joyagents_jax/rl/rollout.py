@@ -45,9 +45,15 @@ class RolloutConfig:
     # completed by the policy like the others: off-policy guidance (LUFFY) toward answers the
     # policy's own samples miss. Needs `Task.gold`; tasks without it get no such member.
     gold_branches: bool = False
+    # nodewise: an alternative whose output equals an earlier member's of its node group (same
+    # text) is not completed again but takes that member's reward. Equal outputs get equal
+    # credit at node i either way (their completions only add noise that the group's advantages
+    # cancel), and at a low temperature most alternatives repeat tau0, so this saves most of
+    # the completion tokens.
+    share_identical: bool = False
 
     def __post_init__(self):
-        for name in ("memory_branches", "gold_branches"):
+        for name in ("memory_branches", "gold_branches", "share_identical"):
             if getattr(self, name) and self.mode != "nodewise":
                 raise ValueError(f"rollout.{name} needs mode nodewise, got {self.mode!r}.")
         if self.mode not in ("nodewise", "trajectory", "full_tree"):
@@ -150,6 +156,7 @@ class Counters:
     memory_hints: int = 0
     tool_calls: int = 0
     alternatives: int = 0  # sampled alternatives that form groups (sum G_i or prod G_i)
+    shared: int = 0  # alternatives that took an equal member's reward (share_identical)
     seconds: dict[str, float] = dataclasses.field(default_factory=lambda: defaultdict(float))
 
 
@@ -290,28 +297,34 @@ class Rollout:
                   if self.cfg.memory_branches or not n.from_memory]
         g = self.cfg.group_size
         alternatives = self._sample([tau0[q].inputs[i] for q, i in points], g - 1, counters)
-        children, guided = [], set()
+        groups, to_complete = [], []
         for (q, i), gens in zip(points, alternatives):
+            members, scored_by = [tau0[q]], [0]  # scored_by: the member whose reward it takes
             for gen in gens:
                 child = tau0[q].branch(self.system, i)
                 self._record(child, tau0[q].inputs[i], gen)
-                children.append(child)
+                same = [m for m in range(len(members)) if self.cfg.share_identical
+                        and _output(members[m], i) == _output(child, i)]
+                scored_by.append(scored_by[same[0]] if same else len(members))
+                members.append(child)
             if self.cfg.gold_branches and _leaves_gold(tau0[q], tasks[q].gold, i):
                 child = tau0[q].branch(self.system, i)
                 self._record(child, tau0[q].inputs[i], self._gold(tasks[q].gold[i]))
-                children.append(child)
-                guided.add((q, i))
+                scored_by.append(len(members))
+                members.append(child)
+            to_complete += [t for m, t in enumerate(members[1:], 1) if scored_by[m] == m]
+            groups.append((q, i, members, scored_by))
         counters.alternatives = len(points) * g
-        self._complete(children, counters)
+        counters.shared = sum(s != m for *_, scored_by in groups for m, s in enumerate(scored_by))
+        self._complete(to_complete, counters)
 
-        samples, k = [], 0
-        for group, (q, i) in enumerate(points):
-            size = g - 1 + ((q, i) in guided)
-            members = [tau0[q]] + children[k:k + size]
-            k += size
-            uses_memory = any(n.from_memory for t in members for n in t.episode.nodes)
+        samples = []
+        for group, (q, i, members, scored_by) in enumerate(groups):
+            parts = {s: self._reward(members[s], tasks[q]) for s in set(scored_by)}
+            uses_memory = any(n.from_memory for m in set(scored_by)
+                              for n in members[m].episode.nodes)
             for m, trace in enumerate(members):
-                samples.append(self._sample_of(trace, i, self._reward(trace, tasks[q]), group, q
+                samples.append(self._sample_of(trace, i, parts[scored_by[m]], group, q
                                                )._replace(uses_memory=uses_memory,
                                                           from_gold=m == g))
         return samples, tau0
@@ -399,6 +412,12 @@ class Rollout:
                       reward=0.0 if parts is None else float(parts.total),
                       memory_reward=0.0 if parts is None else float(parts.memory_reward),
                       group=group, query=query, node=node)
+
+
+def _output(trace: Trace, node: int) -> tuple[str, bool]:
+    """Node `node`'s output as the episode replays it: (text, truncated)."""
+    n = trace.episode.nodes[node]
+    return n.output, n.truncated
 
 
 def _leaves_gold(trace: Trace, gold: Sequence[str], node: int) -> bool:

@@ -117,6 +117,46 @@ def test_nodewise_reward_comes_from_each_alternatives_own_completion(examples, s
     assert by_node[0] == pytest.approx([1.1, 1.1, 1.1])  # routing alternatives complete correctly
 
 
+def test_share_identical_completes_each_distinct_output_once(examples, sys_):
+    """share_identical: alternatives equal to an earlier member of their node group take its
+    reward instead of a completion of their own; distinct ones are completed as before."""
+    ex = examples["math"]  # master call, math tool, math answer, master answer
+    gold = gold_script([ex])
+    completions = collections.Counter()
+
+    def script(node_input, j, group_size):  # alternative math answers are wrong; completions
+        out = gold(node_input, j, group_size)  # of the math answer are wrong every second time
+        if node_input.agent == "math" and out.startswith("<answer>"):
+            completions[group_size] += 1
+            if group_size > 1 or completions[1] % 2 == 0:
+                return "<answer>wrong</answer>"
+        return out
+    g = 3
+
+    def run(share):
+        completions.clear()
+        return rollout.Rollout(sys_, TOK, ScriptedPolicy(script), rollout.RolloutConfig(
+            "nodewise", g, share_identical=share)).run([_task(ex)])
+    plain, shared = run(False), run(True)
+    k = len(shared.episodes[0].episode.nodes)
+    math_answer = 2
+    by_node = collections.defaultdict(list)
+    for s in shared.samples:
+        by_node[s.node].append(s.reward)
+    assert by_node[math_answer] == pytest.approx([1.1, 0.1, 0.1])
+    assert all(by_node[i] == pytest.approx([1.1] * g) for i in range(k) if i != math_answer)
+    plain_rewards = [s.reward for s in plain.samples if s.node < math_answer]
+    assert min(plain_rewards) < 1.0  # completions of equal outputs drew wrong answers there
+    assert shared.counters.shared == (g - 1) * k - 1  # all but the first wrong math answer
+    assert plain.counters.shared == 0
+    # One completion (the master's answer after the wrong math answer) instead of one per
+    # alternative: sum over nodes i of (G - 1) * (k - 1 - i) nodes.
+    assert shared.counters.llm_nodes == k + (g - 1) * k + 1
+    assert plain.counters.llm_nodes == k + (g - 1) * k + (g - 1) * k * (k - 1) // 2
+    assert [len(s.output_ids) for s in shared.samples] == \
+        [len(s.output_ids) for s in plain.samples]
+
+
 class MathMemory:
     """Test double: answers every math-agent node from "memory" with `script`'s output."""
 
@@ -276,6 +316,8 @@ def test_config_errors():
         rollout.RolloutConfig("trajectory", 2, memory_branches=True)
     with pytest.raises(ValueError, match="gold_branches needs mode nodewise"):
         rollout.RolloutConfig("full_tree", 2, gold_branches=True)
+    with pytest.raises(ValueError, match="share_identical needs mode nodewise"):
+        rollout.RolloutConfig("trajectory", 2, share_identical=True)
 
 
 TINY_POLICY = qwen2.Qwen2Config(vocab_size=TOK.vocab_size, hidden_size=32, intermediate_size=64,
