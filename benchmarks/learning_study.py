@@ -82,8 +82,8 @@ VARIANTS = {
                {"grpo.advantage": "no_std"}),
     "neg_0.25": ("the default with negative advantages scaled by 0.25 (leaning on the samples "
                  "that beat their group)", {"grpo.neg_weight": 0.25}),
-    "shared": ("the default, equal outputs of a node group completed once and sharing its "
-               "reward", {"grpo.share_identical": True}),
+    "no_share": ("the default with every alternative completed, equal outputs too (the "
+                 "default of session 43)", {"grpo.share_identical": False}),
 }
 MAIN = ("sft_only", "trajectory", "nodewise_all", "nodewise_topk", "joyagents")
 SPLITS = {"test": 200, "test_novel": 50}
