@@ -2,8 +2,9 @@
 
 `nodewise` (JoyAgents-R1): sample an initial trajectory tau0 per query; for every LLM node i of
 tau0, draw G - 1 more outputs of node i's agent from tau0's prefix c_i (tau0's own output is the
-G-th member); complete each alternative once with the current policies and score it. Node i's G
-outputs with their episodes' rewards form one GRPO group: sum_i G_i samples, not prod_i G_i.
+G-th member); complete each alternative once with the current policies and score it (with
+`share_identical`, an alternative equal to an earlier member takes its score uncompleted). Node
+i's G outputs with their episodes' rewards form one GRPO group: sum_i G_i samples, not prod_i G_i.
 `trajectory` (vanilla GRPO): G whole episodes per query; each node carries its episode's
 advantage as its `reward` (train it with advantages taken as given), grouped per (query, agent).
 `full_tree`: every node of every branch expands into G children (prod_i G_i leaves; for the
