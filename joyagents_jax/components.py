@@ -70,7 +70,8 @@ def build(c: ml_collections.ConfigDict) -> Components:
         rollout=rollout.RolloutConfig(g.mode, g.group_size, rewards,
                                       memory_branches=memory_branches(c),
                                       gold_branches=g.gold_branches,
-                                      share_identical=g.share_identical),
+                                      share_identical=bool(g.share_identical
+                                                           and g.mode == "nodewise")),
         sampling=SamplingConfig(c.limits.max_tokens_per_node, temperature=g.temperature,
                                 top_k=g.top_k, top_p=g.top_p),
         limits=system.Limits(**c.limits),

@@ -106,7 +106,7 @@ def get_config() -> ml_collections.ConfigDict:
     # 3 seeds the policies alone ended +12.0 / +7.5 / +6.5 test points over SFT with it (0.662
     # with the memory), against +10.5 / +8.0 / +7.0 (0.667), on 647k sampler tokens instead of
     # 954k and ~55% of the GRPO phase's time (benchmarks/RESULTS.md, "Equal outputs completed
-    # once").
+    # once"). No effect in trajectory or full_tree mode (no node groups).
     # memory_groups="drop" leaves out node groups whose episodes hold a memory answer, so GRPO
     # learns only from episodes the policies produced alone ("keep": all). min_groups > 0 turns
     # on dynamic sampling (DAPO): while fewer node groups than that have a reward spread, up to

@@ -277,11 +277,10 @@ def _grpo(c) -> Iterator[str]:
     if g.memory_groups == "drop" and g.mode == "full_tree":
         yield ("config.grpo.memory_groups=drop: full_tree rollouts do not mark memory-answered "
                "episodes; use grpo.mode=nodewise or trajectory, or memory_groups=keep.")
-    for name, what in (("gold_branches", "a gold output joins node groups"),
-                       ("share_identical", "equal outputs of a node group share a reward")):
-        if g[name] is True and g.mode != "nodewise":
-            yield (f"config.grpo.{name}=True: {what}, which only node-wise rollouts form; "
-                   f"grpo.mode is {g.mode!r}. Use grpo.mode=nodewise or {name}=False.")
+    if g.gold_branches is True and g.mode != "nodewise":
+        yield (f"config.grpo.gold_branches=True: a gold output joins node groups, which only "
+               f"node-wise rollouts form; grpo.mode is {g.mode!r}. Use grpo.mode=nodewise or "
+               f"gold_branches=False.")
     mb = g.micro_batch
     if isinstance(mb, int) and mb > 0 and mb & (mb - 1):
         yield (f"config.grpo.micro_batch={mb}: must be a power of two (rows per agent in one "

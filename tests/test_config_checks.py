@@ -69,8 +69,6 @@ def test_the_default_and_real_checkpoint_configs_are_valid(tmp_path):
      "full_tree rollouts do not mark memory-answered"),
     ({"grpo__gold_branches": True, "grpo__mode": "full_tree"},
      "config.grpo.gold_branches=True: a gold output joins node groups, which only node-wise"),
-    ({"grpo__share_identical": True, "grpo__mode": "trajectory"},
-     "config.grpo.share_identical=True: equal outputs of a node group share a reward, which"),
     ({"groups__all__model": "qwen9"}, "config.groups.all.model='qwen9': not a preset"),
     ({"groups__all__checkpoint": "/nonexistent/qwen"}, "no config.json there"),
     ({"tokenizer": "/nonexistent/tok"}, "config.tokenizer='/nonexistent/tok': not a folder"),
