@@ -354,16 +354,27 @@ def heldout_points(run: dict, sft_acc: float | None) -> list[tuple[int, float]]:
     return ([(0, sft_acc)] if sft_acc is not None else []) + held
 
 
+def variant_colors(names: list[str]) -> dict[str, str]:
+    """A distinct colour per plotted variant, in the given order (tab10, tab20 past ten; only
+    past twenty do colours repeat)."""
+    from matplotlib import colormaps, colors
+
+    cmap = colormaps["tab10" if len(names) <= 10 else "tab20"]
+    return {name: colors.to_hex(cmap(i % cmap.N)) for i, name in enumerate(names)}
+
+
 def _plot(by_variant: dict[str, list[dict]], path: str) -> None:
     """Left: rollout accuracy against generated tokens. Right (runs with --eval_every): held-out
-    test accuracy of the policies without the memory against generated tokens, from SFT on."""
+    test accuracy of the policies without the memory against generated tokens, from SFT on.
+    One legend below both panels, so that it hides no curve."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(11, 4), layout="constrained")
+    fig = Figure(figsize=(11, 5), layout="constrained")
     rollout_ax, heldout_ax = fig.subplots(1, 2)
     sft = {r["seed"]: r["test_acc"] for r in by_variant.get("sft_only", [])}
-    for name, rs in ((n, by_variant[n]) for n in VARIANTS if n in by_variant):
-        color = f"C{list(VARIANTS).index(name)}"
+    names = [n for n in VARIANTS if n in by_variant]
+    for name, color in variant_colors(names).items():
+        rs = by_variant[name]
         if is_sft(name) and name != "sft_only":  # another SFT's accuracy: a baseline at 0 tokens
             heldout_ax.scatter([0] * len(rs), [r["test_acc_no_memory"] for r in rs],
                                color=color, marker="x", label=VARIANTS[name][0])
@@ -378,13 +389,14 @@ def _plot(by_variant: dict[str, list[dict]], path: str) -> None:
             held = heldout_points(r, sft.get(r["seed"]))
             if len(held) > 1:
                 hx, hy = zip(*held)
-                heldout_ax.plot(hx, hy, color=color, alpha=0.7, lw=1, marker=".", label=label)
+                heldout_ax.plot(hx, hy, color=color, alpha=0.7, lw=1, marker=".")
     rollout_ax.set_xlabel("generated tokens (sampler budget)")
     rollout_ax.set_ylabel("rollout accuracy (trailing 3-step mean)")
-    rollout_ax.legend(fontsize=7)
     heldout_ax.set_xlabel("generated tokens (sampler budget)")
     heldout_ax.set_ylabel("test accuracy, policies without memory (greedy)")
-    heldout_ax.legend(fontsize=7)
+    handles = [h for ax in (rollout_ax, heldout_ax) for h in ax.get_legend_handles_labels()[0]]
+    if handles:
+        fig.legend(handles=handles, loc="outside lower center", ncols=2, fontsize=7)
     fig.savefig(path, dpi=120)
 
 

@@ -89,3 +89,11 @@ def test_only_variants_with_sft_overrides_train_their_own_sft_checkpoint(tmp_pat
     (c, where), = trained
     assert where == workdir
     assert (c.seed, c.max_len, c.sft.demo_redundant_call, c.grpo.steps) == (1, 384, 0.0, 0)
+
+
+def test_variant_colors_are_distinct_past_the_ten_colour_cycle():
+    names = list(ls.VARIANTS)[:12]
+    colors = ls.variant_colors(names)
+    assert list(colors) == names
+    assert len(set(colors.values())) == 12
+    assert len(set(ls.variant_colors(names[:3]).values())) == 3
