@@ -84,6 +84,8 @@ VARIANTS = {
                  "that beat their group)", {"grpo.neg_weight": 0.25}),
     "no_share": ("the default with every alternative completed, equal outputs too (the "
                  "default of session 43)", {"grpo.share_identical": False}),
+    "suffix": ("the default, each alternative's nodes after its branch trained too with its "
+               "advantage (trajectory credit for the suffix)", {"grpo.suffix_credit": True}),
 }
 MAIN = ("sft_only", "trajectory", "nodewise_all", "nodewise_topk", "joyagents")
 SPLITS = {"test": 200, "test_novel": 50}

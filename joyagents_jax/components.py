@@ -46,6 +46,12 @@ def memory_branches(c: ml_collections.ConfigDict) -> bool:
                 and c.memory.in_rollouts)
 
 
+def suffix_credit(c: ml_collections.ConfigDict) -> bool:
+    """grpo.suffix_credit where it applies: node-wise rollouts (trajectory GRPO already trains
+    every node with its episode's advantage)."""
+    return bool(c.grpo.suffix_credit and c.grpo.mode == "nodewise")
+
+
 def build(c: ml_collections.ConfigDict) -> Components:
     s, g = c.sft, c.grpo
     rewards = rw.RewardConfig(w_format=g.w_format, w_efficiency=g.w_efficiency,
@@ -64,14 +70,15 @@ def build(c: ml_collections.ConfigDict) -> Components:
                                   clip_norm=g.clip_norm),
         grpo_step=grpo_step.GRPOStepConfig(
             loss=loss, inner_steps=g.inner_steps, topk=g.topk or None, select=g.select,
-            advantage="given" if g.mode == "trajectory" else g.advantage,
+            advantage="given" if g.mode == "trajectory" or suffix_credit(c) else g.advantage,
             neg_weight=g.neg_weight,
             micro_batch=g.micro_batch or None, agents_per_pass=c.agents_per_pass or None),
         rollout=rollout.RolloutConfig(g.mode, g.group_size, rewards,
                                       memory_branches=memory_branches(c),
                                       gold_branches=g.gold_branches,
                                       share_identical=bool(g.share_identical
-                                                           and g.mode == "nodewise")),
+                                                           and g.mode == "nodewise"),
+                                      suffix_credit=suffix_credit(c)),
         sampling=SamplingConfig(c.limits.max_tokens_per_node, temperature=g.temperature,
                                 top_k=g.top_k, top_p=g.top_p),
         limits=system.Limits(**c.limits),

@@ -107,6 +107,10 @@ def get_config() -> ml_collections.ConfigDict:
     # with the memory), against +10.5 / +8.0 / +7.0 (0.667), on 647k sampler tokens instead of
     # 954k and ~55% of the GRPO phase's time (benchmarks/RESULTS.md, "Equal outputs completed
     # once"). No effect in trajectory or full_tree mode (no node groups).
+    # suffix_credit: in node groups with a reward spread, the nodes each alternative sampled
+    # after its branch are trained too, with that alternative's advantage (trajectory GRPO's
+    # credit for the suffix; samples then carry advantages, so it needs topk=0 and
+    # advantage="std"). False: only node-group members train. No effect outside node-wise mode.
     # memory_groups="drop" leaves out node groups whose episodes hold a memory answer, so GRPO
     # learns only from episodes the policies produced alone ("keep": all). min_groups > 0 turns
     # on dynamic sampling (DAPO): while fewer node groups than that have a reward spread, up to
@@ -145,7 +149,7 @@ def get_config() -> ml_collections.ConfigDict:
         top_p=1.0, top_k=0, memory_groups="keep", w_format=0.1, w_efficiency=0.05,
         w_grounding=0.0, min_groups=0, max_refills=2, query_order="traffic",
         grounding_match="word", memory_branches=True, neg_weight=1.0, gold_branches=False,
-        share_identical=True))
+        share_identical=True, suffix_credit=False))
 
     # Reuse needs a (near-)identical node input: with mean-pooled embeddings of a tiny model,
     # different prompts of one agent reach cosine 0.9996 (measured). Hints are off by default

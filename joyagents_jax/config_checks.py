@@ -266,6 +266,7 @@ def _grpo(c) -> Iterator[str]:
                     _number(c, "grpo.top_k", low=0, integer=True, why="0 = no top-k cut"),
                     _flag(c, "grpo.tempered_loss"), _flag(c, "grpo.memory_branches"),
                     _flag(c, "grpo.gold_branches"), _flag(c, "grpo.share_identical"),
+                    _flag(c, "grpo.suffix_credit"),
                     _choice(c, "grpo.memory_groups", MEMORY_GROUPS),
                     _choice(c, "grpo.query_order", QUERY_ORDERS),
                     _number(c, "grpo.w_format", low=0), _number(c, "grpo.w_efficiency", low=0),
@@ -281,6 +282,12 @@ def _grpo(c) -> Iterator[str]:
         yield (f"config.grpo.gold_branches=True: a gold output joins node groups, which only "
                f"node-wise rollouts form; grpo.mode is {g.mode!r}. Use grpo.mode=nodewise or "
                f"gold_branches=False.")
+    if g.suffix_credit is True and g.mode == "nodewise" and (g.topk or g.advantage != "std"):
+        yield (f"config.grpo.suffix_credit=True: samples then carry their GRPO advantage "
+               f"((r - mean) / std within the node group), so top-K has no reward variance to "
+               f"rank and grpo.advantage has nothing to choose; got topk={g.topk}, "
+               f"advantage={g.advantage!r}. Use grpo.topk=0 and advantage=std, or "
+               f"suffix_credit=False.")
     mb = g.micro_batch
     if isinstance(mb, int) and mb > 0 and mb & (mb - 1):
         yield (f"config.grpo.micro_batch={mb}: must be a power of two (rows per agent in one "

@@ -436,7 +436,8 @@ class Experiment:
                         "grpo/memory_member_groups": len({s.group for s in trained
                                                           if s.from_memory}),
                         "grpo/gold_member_groups": len({s.group for s in trained
-                                                        if s.from_gold})})
+                                                        if s.from_gold}),
+                        "grpo/suffix_samples": sum(s.suffix for s in trained)})
         return trained
 
     def _update(self, train: ts.TrainState, samples: list[rollout.Sample], metrics: dict

@@ -21,6 +21,7 @@ CHANGED = {
     "grpo.w_format": 0.2, "grpo.w_efficiency": 0.1, "grpo.w_grounding": 0.3,
     "grpo.grounding_match": "chars", "grpo.memory_branches": False, "grpo.neg_weight": 0.5,
     "grpo.gold_branches": True, "grpo.share_identical": False,
+    "grpo.suffix_credit": True,
     "memory.capacity": 7, "memory.response_len": 5, "memory.request_len": 6,
     "memory.tau_reuse": 0.99999, "memory.tau_hint": 0.999, "memory.hints": True, "memory.reuse": False,
     "memory.reuse_min_reward": 0.5, "memory.tau_dup": 0.93, "memory.z": 1.5,
@@ -54,7 +55,7 @@ def test_a_changed_key_changes_what_is_built(key):
 def test_values_arrive_unchanged_where_names_match():
     c = config_lib.get_config()
     for key, value in CHANGED.items():
-        if key != "grpo.mode":  # trajectory mode also switches the advantage to "given"
+        if key not in ("grpo.mode", "grpo.suffix_credit"):  # both switch advantage to "given"
             _set(c, key, value)
     parts = components.build(c)
     assert dataclasses.asdict(parts.limits) == dict(c.limits)
@@ -90,6 +91,19 @@ def test_share_identical_only_in_nodewise_rollouts(mode):
     assert components.build(c).rollout.share_identical
     c.grpo.mode = mode
     assert not components.build(c).rollout.share_identical
+    assert config_checks.problems(c) == []
+
+
+@pytest.mark.parametrize("mode", ["trajectory", "full_tree"])
+def test_suffix_credit_only_in_nodewise_rollouts(mode):
+    """suffix_credit is a no-op, not an error, outside node-wise rollouts (trajectory GRPO
+    trains every node anyway); with it node-wise steps take advantages as given."""
+    c = config_lib.get_config()
+    c.grpo.suffix_credit = True
+    parts = components.build(c)
+    assert parts.rollout.suffix_credit and parts.grpo_step.advantage == "given"
+    c.grpo.mode = mode
+    assert not components.build(c).rollout.suffix_credit
     assert config_checks.problems(c) == []
 
 

@@ -209,8 +209,9 @@ def update(ctx: Context, tables: Mapping[str, mem.MemoryTable],
 
 
 def _generated(result: rollout.RolloutResult) -> list[rollout.Sample]:
-    """The samples the policies generated: neither the memory's nor gold outputs."""
-    return [s for s in result.samples if not (s.from_memory or s.from_gold)]
+    """The node-group members the policies generated: neither the memory's nor gold outputs
+    (nor `suffix_credit`'s later nodes, which are not node-group members)."""
+    return [s for s in result.samples if not (s.from_memory or s.from_gold or s.suffix)]
 
 
 def _members(ctx: Context, result: rollout.RolloutResult) -> dict[tuple[str, int], list]:

@@ -4,7 +4,8 @@
 tau0, draw G - 1 more outputs of node i's agent from tau0's prefix c_i (tau0's own output is the
 G-th member); complete each alternative once with the current policies and score it (with
 `share_identical`, an alternative equal to an earlier member takes its score uncompleted). Node
-i's G outputs with their episodes' rewards form one GRPO group: sum_i G_i samples, not prod_i G_i.
+i's G outputs with their episodes' rewards form one GRPO group: sum_i G_i samples, not prod_i G_i
+(with `suffix_credit`, each alternative's later nodes join training with its advantage).
 `trajectory` (vanilla GRPO): G whole episodes per query; each node carries its episode's
 advantage as its `reward` (train it with advantages taken as given), grouped per (query, agent).
 `full_tree`: every node of every branch expands into G children (prod_i G_i leaves; for the
@@ -52,9 +53,15 @@ class RolloutConfig:
     # advantages cancel); at the default's temperature 0.3 most alternatives repeat tau0, and
     # the default's GRPO steps sampled about a third fewer tokens.
     share_identical: bool = False
+    # nodewise: in node groups with a reward spread, the nodes each completed alternative
+    # sampled after its branch (its suffix) are trained too, with the alternative's advantage in
+    # its node group (trajectory credit, grouped per (query, agent), `Sample.suffix`), so a step
+    # learns from more of the tokens it sampled.
+    # Every sample's `reward` is then its advantage (train with advantages taken as given).
+    suffix_credit: bool = False
 
     def __post_init__(self):
-        for name in ("memory_branches", "gold_branches", "share_identical"):
+        for name in ("memory_branches", "gold_branches", "share_identical", "suffix_credit"):
             if getattr(self, name) and self.mode != "nodewise":
                 raise ValueError(f"rollout.{name} needs mode nodewise, got {self.mode!r}.")
         if self.mode not in ("nodewise", "trajectory", "full_tree"):
@@ -144,6 +151,9 @@ class Sample(NamedTuple):
     # The output is the task's gold one (gold_branches): off-policy like `from_memory`, but an
     # LLM call of its episode; the memory does not store it.
     from_gold: bool = False
+    # A node an alternative sampled after its branch point (suffix_credit); its reward is that
+    # alternative's advantage. Not a member of a node group: the memory does not store it.
+    suffix: bool = False
 
 
 @dataclasses.dataclass
@@ -319,16 +329,37 @@ class Rollout:
         counters.shared = sum(s != m for *_, scored_by in groups for m, s in enumerate(scored_by))
         self._complete(to_complete, counters)
 
-        samples = []
+        samples, suffixes = [], {}  # suffixes: (query, agent) -> its suffix group id
         for group, (q, i, members, scored_by) in enumerate(groups):
             parts = {s: self._reward(members[s], tasks[q]) for s in set(scored_by)}
             uses_memory = any(n.from_memory for m in set(scored_by)
                               for n in members[m].episode.nodes)
+            adv = episode_advantages(np.array([float(parts[s].total) for s in scored_by]))
             for m, trace in enumerate(members):
-                samples.append(self._sample_of(trace, i, parts[scored_by[m]], group, q
-                                               )._replace(uses_memory=uses_memory,
-                                                          from_gold=m == g))
+                s = self._sample_of(trace, i, parts[scored_by[m]], group, q)._replace(
+                    uses_memory=uses_memory, from_gold=m == g)
+                samples.append(s._replace(reward=float(adv[m])) if self.cfg.suffix_credit else s)
+            if self.cfg.suffix_credit and np.ptp(adv) > 0:  # else every advantage is 0
+                samples += self._suffix(members, scored_by, i, q, adv, len(groups), suffixes)
         return samples, tau0
+
+    def _suffix(self, members, scored_by, i, q, adv, first_id, ids) -> list[Sample]:
+        """The LLM nodes after node i of each alternative completed for its node group, each
+        with that alternative's advantage; tau0's own (member 0) are members of their own node
+        groups, and shared alternatives were not completed."""
+        out = []
+        for m, trace in enumerate(members[1:], 1):
+            if scored_by[m] != m:
+                continue
+            for j in range(i + 1, len(trace.episode.nodes)):
+                node = trace.episode.nodes[j]
+                if node.from_memory:
+                    continue
+                group = ids.setdefault((q, node.agent), first_id + len(ids))
+                out.append(self._sample_of(trace, j, None, group, q)._replace(
+                    reward=float(adv[m]), suffix=True,
+                    uses_memory=any(n.from_memory for n in trace.episode.nodes)))
+        return out
 
     def _gold(self, output: str) -> Generation:
         """A gold node output as a generation: its tokens, NaN sampler log-probs (not sampled)."""

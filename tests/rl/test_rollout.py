@@ -10,7 +10,7 @@ import pytest
 from joyagents_jax.agents import protocol, system
 from joyagents_jax.data import assistant_suite as suite
 from joyagents_jax.models import qwen2
-from joyagents_jax.rl import rollout
+from joyagents_jax.rl import memory_hook, rollout
 from joyagents_jax.sampling import Sampler, SamplingConfig
 from joyagents_jax.tokenizers import ByteTokenizer
 
@@ -155,6 +155,42 @@ def test_share_identical_completes_each_distinct_output_once(examples, sys_):
     assert plain.counters.llm_nodes == k + (g - 1) * k + (g - 1) * k * (k - 1) // 2
     assert [len(s.output_ids) for s in shared.samples] == \
         [len(s.output_ids) for s in plain.samples]
+
+
+def test_suffix_credit_trains_each_alternatives_later_nodes_with_its_advantage(examples, sys_):
+    """suffix_credit: node-group members carry their group advantage; in groups with a reward
+    spread, every node a completed alternative sampled after its branch joins as a (query,
+    agent)-grouped sample with that alternative's advantage, and the memory never stores it."""
+    ex = examples["math"]  # master call, math tool, math answer, master answer
+    gold = gold_script([ex])
+
+    def script(node_input, j, group_size):  # alternative math answers are wrong
+        out = gold(node_input, j, group_size)
+        wrong = node_input.agent == "math" and out.startswith("<answer>") and group_size > 1
+        return "<answer>wrong</answer>" if wrong else out
+
+    def run(suffix):
+        return rollout.Rollout(sys_, TOK, ScriptedPolicy(script), rollout.RolloutConfig(
+            "nodewise", 3, suffix_credit=suffix)).run([_task(ex)])
+    plain, result = run(False), run(True)
+    members = [s for s in result.samples if not s.suffix]
+    key = lambda s: (s.agent, tuple(s.prompt_ids), tuple(s.output_ids), s.group, s.node,
+                     s.memory_reward)
+    assert [key(s) for s in members] == [key(s) for s in plain.samples]
+    math_answer, k = 2, 4
+    adv = rollout.episode_advantages(np.array([1.1, 0.1, 0.1]))
+    by_node = collections.defaultdict(list)
+    for s in members:
+        by_node[s.node].append(s.reward)
+    assert by_node[math_answer] == pytest.approx(list(adv))
+    assert all(by_node[i] == pytest.approx([0.0] * 3) for i in range(k) if i != math_answer)
+    suffix = [s for s in result.samples if s.suffix]  # only the math answer's group has spread
+    assert [(s.node, s.agent) for s in suffix] == [(3, "master")] * 2
+    assert [s.reward for s in suffix] == pytest.approx([adv[1], adv[2]])
+    assert len({s.group for s in suffix}) == 1  # (query, agent)
+    assert not {s.group for s in suffix} & {s.group for s in members}
+    assert all(s.prompt_ids != members[-1].prompt_ids for s in suffix)  # their own context
+    assert [key(s) for s in memory_hook._generated(result)] == [key(s) for s in members]
 
 
 class MathMemory:
