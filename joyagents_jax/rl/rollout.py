@@ -334,12 +334,13 @@ class Rollout:
             parts = {s: self._reward(members[s], tasks[q]) for s in set(scored_by)}
             uses_memory = any(n.from_memory for m in set(scored_by)
                               for n in members[m].episode.nodes)
-            adv = episode_advantages(np.array([float(parts[s].total) for s in scored_by]))
+            adv = (episode_advantages(np.array([float(parts[s].total) for s in scored_by]))
+                   if self.cfg.suffix_credit else None)
             for m, trace in enumerate(members):
                 s = self._sample_of(trace, i, parts[scored_by[m]], group, q)._replace(
                     uses_memory=uses_memory, from_gold=m == g)
-                samples.append(s._replace(reward=float(adv[m])) if self.cfg.suffix_credit else s)
-            if self.cfg.suffix_credit and np.ptp(adv) > 0:  # else every advantage is 0
+                samples.append(s if adv is None else s._replace(reward=float(adv[m])))
+            if adv is not None and np.ptp(adv) > 0:  # else every advantage is 0
                 samples += self._suffix(members, scored_by, i, q, adv, len(groups), suffixes)
         return samples, tau0
 
