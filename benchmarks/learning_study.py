@@ -86,6 +86,8 @@ VARIANTS = {
                  "default of session 43)", {"grpo.share_identical": False}),
     "suffix": ("the default, each alternative's nodes after its branch trained too with its "
                "advantage (trajectory credit for the suffix)", {"grpo.suffix_credit": True}),
+    "greedy_completions": ("the default, tau0 and each alternative's later nodes decoded "
+                           "greedily", {"grpo.greedy_completions": True}),
 }
 MAIN = ("sft_only", "trajectory", "nodewise_all", "nodewise_topk", "joyagents")
 SPLITS = {"test": 200, "test_novel": 50}

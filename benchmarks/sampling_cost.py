@@ -38,7 +38,7 @@ class ScriptedPolicy:
             return "<answer>ok</answer>" if turns else f'<call agent="sub{q % self.num_subs}"/>'
         return '<tool name="echo">{"x":1}</tool>' if turns < self.tools else "<answer>ok</answer>"
 
-    def sample(self, inputs, group_size):
+    def sample(self, inputs, group_size, greedy=False):
         self.calls += 1
         self.agent_batches += len({i.agent for i in inputs})
         gen = lambda t: rollout.Generation(t, np.zeros(TOKENS_PER_NODE, np.int32),

@@ -78,7 +78,9 @@ def build(c: ml_collections.ConfigDict) -> Components:
                                       gold_branches=g.gold_branches,
                                       share_identical=bool(g.share_identical
                                                            and g.mode == "nodewise"),
-                                      suffix_credit=suffix_credit(c)),
+                                      suffix_credit=suffix_credit(c),
+                                      greedy_completions=bool(g.greedy_completions
+                                                              and g.mode == "nodewise")),
         sampling=SamplingConfig(c.limits.max_tokens_per_node, temperature=g.temperature,
                                 top_k=g.top_k, top_p=g.top_p),
         limits=system.Limits(**c.limits),

@@ -114,6 +114,9 @@ def get_config() -> ml_collections.ConfigDict:
     # sampler tokens the policies alone ended at 0.620 with it against 0.640 (0.715 with the
     # memory against 0.675) for 1.3x the time (benchmarks/RESULTS.md, "Training the
     # alternatives' later nodes"). No effect outside node-wise mode.
+    # greedy_completions: node-wise rollouts decode tau0 and each alternative's later nodes
+    # greedily (as evaluation does); only the alternatives at the branch node are sampled.
+    # False: every node sampled at `temperature`. No effect outside node-wise mode.
     # memory_groups="drop" leaves out node groups whose episodes hold a memory answer, so GRPO
     # learns only from episodes the policies produced alone ("keep": all). min_groups > 0 turns
     # on dynamic sampling (DAPO): while fewer node groups than that have a reward spread, up to
@@ -152,7 +155,7 @@ def get_config() -> ml_collections.ConfigDict:
         top_p=1.0, top_k=0, memory_groups="keep", w_format=0.1, w_efficiency=0.05,
         w_grounding=0.0, min_groups=0, max_refills=2, query_order="traffic",
         grounding_match="word", memory_branches=True, neg_weight=1.0, gold_branches=False,
-        share_identical=True, suffix_credit=False))
+        share_identical=True, suffix_credit=False, greedy_completions=False))
 
     # Reuse needs a (near-)identical node input: with mean-pooled embeddings of a tiny model,
     # different prompts of one agent reach cosine 0.9996 (measured). Hints are off by default

@@ -266,7 +266,7 @@ def _grpo(c) -> Iterator[str]:
                     _number(c, "grpo.top_k", low=0, integer=True, why="0 = no top-k cut"),
                     _flag(c, "grpo.tempered_loss"), _flag(c, "grpo.memory_branches"),
                     _flag(c, "grpo.gold_branches"), _flag(c, "grpo.share_identical"),
-                    _flag(c, "grpo.suffix_credit"),
+                    _flag(c, "grpo.suffix_credit"), _flag(c, "grpo.greedy_completions"),
                     _choice(c, "grpo.memory_groups", MEMORY_GROUPS),
                     _choice(c, "grpo.query_order", QUERY_ORDERS),
                     _number(c, "grpo.w_format", low=0), _number(c, "grpo.w_efficiency", low=0),
@@ -288,6 +288,10 @@ def _grpo(c) -> Iterator[str]:
                f"rank and grpo.advantage has nothing to choose; got topk={g.topk}, "
                f"advantage={g.advantage!r}. Use grpo.topk=0 and advantage=std, or "
                f"suffix_credit=False.")
+    if g.greedy_completions is True and g.tempered_loss is True and g.mode == "nodewise":
+        yield ("config.grpo.greedy_completions=True with grpo.tempered_loss=True: greedy "
+               "outputs have no log-probs under the tempered sampling distribution that loss "
+               "scores. Set tempered_loss=False or greedy_completions=False.")
     mb = g.micro_batch
     if isinstance(mb, int) and mb > 0 and mb & (mb - 1):
         yield (f"config.grpo.micro_batch={mb}: must be a power of two (rows per agent in one "

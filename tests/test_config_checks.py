@@ -72,6 +72,8 @@ def test_the_default_and_real_checkpoint_configs_are_valid(tmp_path):
     ({"grpo__suffix_credit": True, "grpo__topk": 5},
      "config.grpo.suffix_credit=True: samples then carry their GRPO advantage"),
     ({"grpo__suffix_credit": True, "grpo__advantage": "loo"}, "advantage='loo'"),
+    ({"grpo__greedy_completions": True, "grpo__tempered_loss": True},
+     "config.grpo.greedy_completions=True with grpo.tempered_loss=True: greedy outputs"),
     ({"groups__all__model": "qwen9"}, "config.groups.all.model='qwen9': not a preset"),
     ({"groups__all__checkpoint": "/nonexistent/qwen"}, "no config.json there"),
     ({"tokenizer": "/nonexistent/tok"}, "config.tokenizer='/nonexistent/tok': not a folder"),

@@ -59,9 +59,15 @@ class RolloutConfig:
     # learns from more of the tokens it sampled.
     # Every sample's `reward` is then its advantage (train with advantages taken as given).
     suffix_credit: bool = False
+    # nodewise: tau0 and every alternative's nodes after its branch are decoded greedily, as
+    # evaluation runs the policies; only the G - 1 alternatives at the branch node are sampled.
+    # A node group then compares the greedy output with sampled ones, each scored by the greedy
+    # policy's continuation, so its rewards carry no noise from later nodes' sampling.
+    greedy_completions: bool = False
 
     def __post_init__(self):
-        for name in ("memory_branches", "gold_branches", "share_identical", "suffix_credit"):
+        for name in ("memory_branches", "gold_branches", "share_identical", "suffix_credit",
+                     "greedy_completions"):
             if getattr(self, name) and self.mode != "nodewise":
                 raise ValueError(f"rollout.{name} needs mode nodewise, got {self.mode!r}.")
         if self.mode not in ("nodewise", "trajectory", "full_tree"):
@@ -89,11 +95,13 @@ class NodeInput(NamedTuple):
 
 
 class Policy(Protocol):
-    """Draws `group_size` outputs for each node input (all in as few sampler calls as it can)."""
+    """Draws `group_size` outputs for each node input (all in as few sampler calls as it can);
+    `greedy`: the argmax outputs instead (group_size 1)."""
 
     calls: int
 
-    def sample(self, inputs: Sequence[NodeInput], group_size: int) -> list[list[Generation]]: ...
+    def sample(self, inputs: Sequence[NodeInput], group_size: int,
+               greedy: bool = False) -> list[list[Generation]]: ...
 
 
 class Reuse(NamedTuple):
@@ -263,7 +271,8 @@ class Rollout:
         trace.gens.append(gen)
         trace.episode.apply(gen.text, truncated=gen.truncated, from_memory=from_memory)
 
-    def _complete(self, traces: Sequence[Trace], counters: Counters) -> None:
+    def _complete(self, traces: Sequence[Trace], counters: Counters,
+                  greedy: bool = False) -> None:
         """Advances every unfinished trace to its end, one wave of pending nodes at a time."""
         start = time.perf_counter()
         while True:
@@ -284,15 +293,15 @@ class Rollout:
                 counters.memory_hints += hit is not None
                 todo.append((trace, self._input(request, hit)))
             if todo:
-                gens = self._sample([i for _, i in todo], 1, counters)
+                gens = self._sample([i for _, i in todo], 1, counters, greedy)
                 for (trace, node_input), (gen,) in zip(todo, gens):
                     self._record(trace, node_input, gen)
         counters.seconds["complete"] += time.perf_counter() - start
 
-    def _sample(self, inputs: Sequence[NodeInput], group_size: int,
-                counters: Counters) -> list[list[Generation]]:
+    def _sample(self, inputs: Sequence[NodeInput], group_size: int, counters: Counters,
+                greedy: bool = False) -> list[list[Generation]]:
         start = time.perf_counter()
-        gens = self.policy.sample(inputs, group_size)
+        gens = self.policy.sample(inputs, group_size, greedy=greedy)
         counters.waves += 1
         counters.llm_nodes += len(inputs) * group_size
         counters.generated_tokens += sum(len(g.tokens) for row in gens for g in row)
@@ -302,8 +311,9 @@ class Rollout:
     # -- modes -----------------------------------------------------------------------------
 
     def _nodewise(self, tasks, counters):
+        greedy = self.cfg.greedy_completions
         tau0 = [Trace(Episode(self.system, t.query)) for t in tasks]
-        self._complete(tau0, counters)
+        self._complete(tau0, counters, greedy)
         points = [(q, i) for q, t in enumerate(tau0) for i, n in enumerate(t.episode.nodes)
                   if self.cfg.memory_branches or not n.from_memory]
         g = self.cfg.group_size
@@ -327,7 +337,7 @@ class Rollout:
             groups.append((q, i, members, scored_by))
         counters.alternatives = len(points) * g
         counters.shared = sum(s != m for *_, scored_by in groups for m, s in enumerate(scored_by))
-        self._complete(to_complete, counters)
+        self._complete(to_complete, counters, greedy)
 
         samples, suffixes = [], {}  # suffixes: (query, agent) -> its suffix group id
         for group, (q, i, members, scored_by) in enumerate(groups):
@@ -500,7 +510,8 @@ class SamplerPolicy:
         self.tempered = tempered
         self.calls = 0
 
-    def sample(self, inputs: Sequence[NodeInput], group_size: int) -> list[list[Generation]]:
+    def sample(self, inputs: Sequence[NodeInput], group_size: int,
+               greedy: bool = False) -> list[list[Generation]]:
         import jax
 
         from joyagents_jax.models import lora
@@ -515,7 +526,8 @@ class SamplerPolicy:
             sampler, params = self.samplers[group], self.params[group]
             stops = lambda idx: [protocol.stop_strings(inputs[i].role) for i in idx]
             prompts = lambda idx: [inputs[i].prompt_ids for i in idx]
-            kw = dict(scfg=self.scfg, group_size=group_size, stop_ids=self.tokenizer.stop_ids)
+            scfg = dataclasses.replace(self.scfg, greedy=True) if greedy else self.scfg
+            kw = dict(scfg=scfg, group_size=group_size, stop_ids=self.tokenizer.stop_ids)
             num = lora.num_agents(params)
             if _vmap_is_cheaper(sampler, {s: len(idx) for s, idx in slots.items()}, num):
                 fill = lambda s, f, dummy: f(slots[s]) if s in slots else dummy

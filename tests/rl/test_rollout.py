@@ -21,11 +21,12 @@ class ScriptedPolicy:
     """Test double: output = script(node input, j, group size); counts calls like a sampler."""
 
     def __init__(self, script):
-        self.script, self.calls, self.batch_sizes = script, 0, []
+        self.script, self.calls, self.batch_sizes, self.draws = script, 0, [], []
 
-    def sample(self, inputs, group_size):
+    def sample(self, inputs, group_size, greedy=False):
         self.calls += 1
         self.batch_sizes.append(len(inputs))
+        self.draws.append((group_size, greedy))
         out = []
         for node_input in inputs:
             row = []
@@ -155,6 +156,17 @@ def test_share_identical_completes_each_distinct_output_once(examples, sys_):
     assert plain.counters.llm_nodes == k + (g - 1) * k + (g - 1) * k * (k - 1) // 2
     assert [len(s.output_ids) for s in shared.samples] == \
         [len(s.output_ids) for s in plain.samples]
+
+
+@pytest.mark.parametrize("greedy", [False, True])
+def test_greedy_completions_decode_all_but_the_branch_nodes_greedily(examples, sys_, greedy):
+    exs = [examples["math"], examples["cooperation"]]
+    policy = ScriptedPolicy(gold_script(exs, wrong_every=2))
+    cfg = rollout.RolloutConfig("nodewise", 3, greedy_completions=greedy)
+    result = rollout.Rollout(sys_, TOK, policy, cfg).run([_task(e) for e in exs])
+    assert {d for d in policy.draws if d[0] > 1} == {(3 - 1, False)}  # alternatives: sampled
+    assert {d for d in policy.draws if d[0] == 1} == {(1, greedy)}  # tau0 and completions
+    assert len({s.group for s in result.samples}) == sum(e.min_llm_calls for e in exs)
 
 
 def test_suffix_credit_trains_each_alternatives_later_nodes_with_its_advantage(examples, sys_):
@@ -354,6 +366,8 @@ def test_config_errors():
         rollout.RolloutConfig("full_tree", 2, gold_branches=True)
     with pytest.raises(ValueError, match="share_identical needs mode nodewise"):
         rollout.RolloutConfig("trajectory", 2, share_identical=True)
+    with pytest.raises(ValueError, match="greedy_completions needs mode nodewise"):
+        rollout.RolloutConfig("trajectory", 2, greedy_completions=True)
 
 
 TINY_POLICY = qwen2.Qwen2Config(vocab_size=TOK.vocab_size, hidden_size=32, intermediate_size=64,
@@ -408,6 +422,19 @@ def test_separate_and_vmapped_agent_calls_sample_alike(examples, sys_, monkeypat
         outputs.append([[g.text for g in row] for row in policy.sample(inputs, 2)])
         assert policy.calls == (1 if vmap else 2)
     assert outputs[0] == outputs[1]
+
+
+def test_greedy_draws_are_the_argmax_whatever_the_sampling_config(examples, sys_):
+    inputs = [rollout.NodeInput(agent, p, TOK.encode(p), "sub")
+              for agent, p in [("qa", "Where is it?"), ("math", "1+2")]]
+    argmax = _sampler_policy(sys_.agents, SamplingConfig(6, greedy=True)).sample(inputs, 1)
+    sampling = _sampler_policy(sys_.agents, SamplingConfig(6, temperature=5.0))
+    for _ in range(2):
+        greedy = sampling.sample(inputs, 1, greedy=True)
+        assert [[g.text for g in row] for row in greedy] == \
+            [[g.text for g in row] for row in argmax]
+        for got, want in zip(greedy, argmax):
+            np.testing.assert_allclose(got[0].logp, want[0].logp, rtol=1e-6)
 
 
 def test_merge_renumbers_groups_and_sums_counters(examples, sys_):
