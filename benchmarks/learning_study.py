@@ -30,6 +30,7 @@ import argparse
 import ast
 import collections
 import json
+import math
 import os
 import time
 
@@ -91,6 +92,7 @@ VARIANTS = {
 }
 MAIN = ("sft_only", "trajectory", "nodewise_all", "nodewise_topk", "joyagents")
 SPLITS = {"test": 200, "test_novel": 50}
+PAIRED_BASELINES = ("trajectory", "nodewise_all")  # the issue's baselines for JoyAgents-R1
 
 
 def parse_overrides(items: list[str]) -> dict:
@@ -219,6 +221,43 @@ def flips(run: dict, sft: dict | None) -> tuple[int, int] | None:
     return None if masks is None else (int(masks[0].sum()), int(masks[1].sum()))
 
 
+def sign_test_p(wins: int, losses: int) -> float:
+    """Two-sided exact sign test: the chance of a split at least this uneven if either run were
+    as likely as the other to answer a disputed query right."""
+    n, k = wins + losses, min(wins, losses)
+    return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n) if n else 1.0
+
+
+def paired(runs: list[dict], baselines: list[dict]) -> tuple[list[int], int, int] | None:
+    """(seeds, wins, losses) over the seeds both hold with per-query answers: `test` queries the
+    policies alone answer and the baseline's do not, and the reverse (`flips` with the baseline
+    in SFT's place); None when no seed pairs up."""
+    base = {r["seed"]: r for r in baselines}
+    pairs = [(r["seed"], flips(r, base.get(r["seed"]))) for r in runs]
+    pairs = sorted((seed, f) for seed, f in pairs if f)
+    if not pairs:
+        return None
+    return [seed for seed, _ in pairs], sum(f[0] for _, f in pairs), sum(f[1] for _, f in pairs)
+
+
+def paired_table(by_variant: dict[str, list[dict]], baselines=PAIRED_BASELINES) -> str:
+    """Markdown: each GRPO variant against each baseline, query by query (policies alone).
+    Popular questions recur in `test`, so its queries are not independent draws: the p-value
+    of the sign test is a guide, not a guarantee; "" when nothing pairs up."""
+    lines = ["| variant | against | seeds | queries won / lost | net points per seed | "
+             "sign test p |", "|---|---|---|---|---|---|"]
+    for base in baselines:
+        for name in VARIANTS:
+            got = (paired(by_variant[name], by_variant.get(base, []))
+                   if name in by_variant and name != base and not is_sft(name) else None)
+            if got:
+                seeds, won, lost = got
+                lines.append(f"| {name} | {base} | {','.join(map(str, seeds))} | {won} / "
+                             f"{lost} | {100 * (won - lost) / SPLITS['test'] / len(seeds):+.1f}"
+                             f" | {sign_test_p(won, lost):.3f} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def call_moves(run: dict, sft: dict | None) -> tuple[int, int] | None:
     """(more, fewer): `test` queries on which the policies alone make more LLM calls after GRPO
     than at the end of SFT, and fewer; None without both runs' per-query calls. The mean calls
@@ -335,6 +374,9 @@ def report(root: str, out_md: str, out_png: str) -> str:
                  stat([r["generated_tokens"] for r in rs], ".0f")]
         lines.append("| " + " | ".join(cells) + " |")
     table = "\n".join(lines)
+    pairs = paired_table(by_variant)
+    if pairs:
+        table += "\n\nEach run against the baselines on the same seeds, query by query:\n\n" + pairs
     listing = flip_listing(root, runs)
     if listing:
         table += "\n\nTest queries fixed and broken by GRPO, by question:\n\n" + listing

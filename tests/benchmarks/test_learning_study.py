@@ -42,6 +42,29 @@ def test_flips_count_fixed_and_broken_queries(after, before, expected):
                     {"test_answers_no_memory": before}) == expected
 
 
+@pytest.mark.parametrize("wins,losses,expected", [(0, 0, 1.0), (3, 3, 1.0), (5, 0, 0.0625),
+                                                  (0, 5, 0.0625), (9, 1, 0.021484375)])
+def test_sign_test_p_is_the_two_sided_binomial_tail(wins, losses, expected):
+    assert ls.sign_test_p(wins, losses) == pytest.approx(expected)
+
+
+def test_paired_sums_wins_and_losses_over_the_seeds_both_runs_hold():
+    answers = lambda seed, xs: {"seed": seed, "test_answers_no_memory": xs}
+    runs = [answers(0, [1, 1, 0]), answers(1, [1, 0, 0]), answers(2, [1, 1, 1])]
+    base = [answers(1, [0, 1, 0]), answers(0, [0, 1, 1]), answers(3, [0, 0, 0])]
+    assert ls.paired(runs, base) == ([0, 1], 2, 2)
+    assert ls.paired(runs, [answers(5, [1, 1, 1])]) is None
+
+
+def test_paired_table_rows_name_variant_baseline_and_net_points():
+    answers = lambda seed, xs: {"seed": seed, "test_answers_no_memory": xs + [0] * (200 - len(xs))}
+    by_variant = {"default": [answers(0, [1] * 10)], "trajectory": [answers(0, [0] * 10)],
+                  "sft_only": [answers(0, [])]}
+    rows = ls.paired_table(by_variant).splitlines()[2:]
+    assert rows == ["| default | trajectory | 0 | 10 / 0 | +5.0 | 0.002 |"]
+    assert ls.paired_table({"default": by_variant["default"]}) == ""
+
+
 def test_flips_need_both_runs_answers():
     assert ls.flips({"test_answers_no_memory": [1.0]}, None) is None
 
