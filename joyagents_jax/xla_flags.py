@@ -1,14 +1,17 @@
-"""XLA CPU flags that narrow how much a run's numbers depend on the x86-64 CPU that runs it.
+"""XLA CPU flags that take the x86-64 CPU that runs a program out of its float results.
 
-Measured on this project's machines (benchmarks/RESULTS.md, "Reproducibility"): XLA's CPU
-backend sends matmuls to YNNPACK fusions, which pick their kernels by the CPU's features at run
-time, and compiles the rest for the host's widest vector ISA; both change the last bits of
-float results, and hundreds of training steps amplify those bits into different accuracies.
-These flags turn YNNPACK off and cap the ISA at AVX2, at no measured cost in speed on the
-default. They do not make a seed CPU-independent: an AVX-512 Intel host and an AVX2-only AMD
-host still part during SFT (which kernel still differs is open). Set
-`JOYAGENTS_PORTABLE_CPU_NUMERICS=0` to keep XLA's defaults. Imports nothing from JAX: call
-`pin_cpu_numerics()` before JAX starts its backend.
+XLA's CPU backend lets the host's CPU choose arithmetic in three places, each enough for
+hundreds of training steps to turn last-bit differences into different accuracies
+(benchmarks/RESULTS.md, "Reproducibility"): matmuls run as YNNPACK fusions whose kernels are
+picked by the CPU's features at run time (with those fusions off they go to Eigen, whose inner
+kernel is oneDNN's sgemm, again picked by the CPU, and whose blocking follows its cache sizes);
+`rsqrt` (the RMSNorm) is the hardware estimate refined by one Newton step on AMD and two on
+Intel; the rest is compiled for the host's widest vector ISA. `PORTABLE` asks YNNPACK for its
+consistent arithmetic (the same results on every CPU that runs one build), computes `rsqrt` as
+1 / sqrt, and caps the ISA at AVX2. In the default's compiled programs every matmul then runs
+in a YNNPACK fusion or in XLA's own compiled code (none in Eigen; checked with
+`--xla_dump_to`). Set `JOYAGENTS_PORTABLE_CPU_NUMERICS=0` to keep XLA's defaults. Imports
+nothing from JAX: call `pin_cpu_numerics()` before JAX starts its backend.
 
 `use_compilation_cache()` points JAX's persistent compilation cache at a folder kept between
 runs, so a rerun, a resumed run or the next seed loads what an earlier run compiled.
@@ -22,7 +25,9 @@ import os
 import sys
 from collections.abc import Mapping, MutableMapping
 
-PORTABLE = ("--xla_cpu_experimental_ynn_fusion_type=", "--xla_cpu_max_isa=AVX2")
+PORTABLE = ("--xla_cpu_max_isa=AVX2", "--xla_cpu_enable_platform_dependent_math=false")
+EXTRA_OPTIONS = "--xla_backend_extra_options"  # comma-separated backend options
+PORTABLE_OPTIONS = ("xla_cpu_disable_platform_dependent_math",)
 SWITCH = "JOYAGENTS_PORTABLE_CPU_NUMERICS"
 CACHE_DIR = "JAX_COMPILATION_CACHE_DIR"
 # Programs that compile faster than this are not worth a file (the default's eager ops).
@@ -33,12 +38,18 @@ DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count="
 
 
 def pin_cpu_numerics(environ: MutableMapping[str, str] = os.environ) -> None:
-    """Adds the `PORTABLE` flags to XLA_FLAGS, except those the user already set."""
+    """Adds the `PORTABLE` flags to XLA_FLAGS, except those the user already set, and the
+    `PORTABLE_OPTIONS` to the backend options (the user's own options are kept)."""
     if environ.get(SWITCH, "1") == "0":
         return
     flags = environ.get("XLA_FLAGS", "").split()
     names = {f.split("=", 1)[0] for f in flags}
     flags += [f for f in PORTABLE if f.split("=", 1)[0] not in names]
+    extra = [i for i, f in enumerate(flags) if f.split("=", 1)[0] == EXTRA_OPTIONS]
+    options = [o for o in flags.pop(extra[-1]).partition("=")[2].split(",") if o] if extra else []
+    keys = {o.split("=", 1)[0] for o in options}
+    options += [o for o in PORTABLE_OPTIONS if o.split("=", 1)[0] not in keys]
+    flags.append(f"{EXTRA_OPTIONS}={','.join(options)}")
     environ["XLA_FLAGS"] = " ".join(flags)
 
 

@@ -14,20 +14,54 @@ from joyagents_jax import xla_flags
 def test_flags_are_added_to_what_the_user_set():
     env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
     xla_flags.pin_cpu_numerics(env)
-    assert env["XLA_FLAGS"].split() == ["--xla_force_host_platform_device_count=8",
-                                        *xla_flags.PORTABLE]
+    assert env["XLA_FLAGS"].split() == [
+        "--xla_force_host_platform_device_count=8", *xla_flags.PORTABLE,
+        "--xla_backend_extra_options=xla_cpu_disable_platform_dependent_math"]
+    pinned = env["XLA_FLAGS"]
     xla_flags.pin_cpu_numerics(env)  # idempotent
-    assert env["XLA_FLAGS"].split().count("--xla_cpu_max_isa=AVX2") == 1
+    assert env["XLA_FLAGS"] == pinned
 
 
 def test_a_users_own_value_wins_and_the_switch_turns_it_off():
     env = {"XLA_FLAGS": "--xla_cpu_max_isa=AVX512"}
     xla_flags.pin_cpu_numerics(env)
-    assert env["XLA_FLAGS"].split() == ["--xla_cpu_max_isa=AVX512",
-                                        "--xla_cpu_experimental_ynn_fusion_type="]
+    assert env["XLA_FLAGS"].split() == [
+        "--xla_cpu_max_isa=AVX512", "--xla_cpu_enable_platform_dependent_math=false",
+        "--xla_backend_extra_options=xla_cpu_disable_platform_dependent_math"]
     env = {xla_flags.SWITCH: "0"}
     xla_flags.pin_cpu_numerics(env)
     assert "XLA_FLAGS" not in env
+
+
+def test_the_users_backend_options_are_kept_beside_the_portable_ones():
+    env = {"XLA_FLAGS": "--xla_backend_extra_options=xla_llvm_dot_tiling_factor=4 --xla_dump_to=d"}
+    xla_flags.pin_cpu_numerics(env)
+    flags = env["XLA_FLAGS"].split()
+    assert flags[-1] == ("--xla_backend_extra_options=xla_llvm_dot_tiling_factor=4,"
+                         "xla_cpu_disable_platform_dependent_math")
+    assert sum(f.startswith(xla_flags.EXTRA_OPTIONS) for f in flags) == 1
+    assert "--xla_dump_to=d" in flags
+    env = {"XLA_FLAGS": "--xla_backend_extra_options=xla_cpu_disable_platform_dependent_math"}
+    xla_flags.pin_cpu_numerics(env)
+    assert env["XLA_FLAGS"].count("xla_cpu_disable_platform_dependent_math") == 1
+
+
+def test_pinned_numerics_compute_rsqrt_exactly_and_matmuls_in_ynnpack(tmp_path):
+    """In a fresh process with the pinned flags: rsqrt equals 1 / sqrt to the bit (the
+    hardware estimate does not), and the compiled matmul runs in a YNNPACK fusion."""
+    code = (
+        "import numpy as np, jax, jax.numpy as jnp\n"
+        "x = jnp.asarray(np.random.default_rng(0).uniform(0.1, 9.0, 4096), jnp.float32)\n"
+        "r = np.asarray(jax.jit(jax.lax.rsqrt)(x))\n"
+        "print(np.array_equal(r, np.float32(1) / np.sqrt(np.asarray(x))))\n"
+        "a = jnp.ones((64, 96)); b = jnp.ones((96, 80))\n"
+        "print('__ynn_fusion' in jax.jit(jnp.matmul).lower(a, b).compile().as_text())\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", xla_flags.SWITCH)}
+    env[xla_flags.CACHE_DIR] = ""
+    xla_flags.pin_cpu_numerics(env)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True, cwd=tmp_path).stdout.split()
+    assert out == ["True", "True"]
 
 
 def test_the_compilation_cache_defaults_to_the_users_cache_folder(tmp_path):
