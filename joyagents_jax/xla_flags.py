@@ -1,17 +1,18 @@
-"""XLA CPU flags that take the x86-64 CPU that runs a program out of its float results.
+"""XLA CPU flags that narrow how much a run's float results depend on the x86-64 CPU running it.
 
-XLA's CPU backend lets the host's CPU choose arithmetic in three places, each enough for
+XLA's CPU backend lets the host's CPU choose arithmetic in several places, each enough for
 hundreds of training steps to turn last-bit differences into different accuracies
-(benchmarks/RESULTS.md, "Reproducibility"): matmuls run as YNNPACK fusions whose kernels are
-picked by the CPU's features at run time (with those fusions off they go to Eigen, whose inner
-kernel is oneDNN's sgemm, again picked by the CPU, and whose blocking follows its cache sizes);
-`rsqrt` (the RMSNorm) is the hardware estimate refined by one Newton step on AMD and two on
-Intel; the rest is compiled for the host's widest vector ISA. `PORTABLE` asks YNNPACK for its
-consistent arithmetic (the same results on every CPU that runs one build), computes `rsqrt` as
-1 / sqrt, and caps the ISA at AVX2. In the default's compiled programs every matmul then runs
-in a YNNPACK fusion or in XLA's own compiled code (none in Eigen; checked with
-`--xla_dump_to`). Set `JOYAGENTS_PORTABLE_CPU_NUMERICS=0` to keep XLA's defaults. Imports
-nothing from JAX: call `pin_cpu_numerics()` before JAX starts its backend.
+(benchmarks/RESULTS.md, "Reproducibility" and "What the CPU still chose"): matmuls run as
+YNNPACK fusions whose kernels are picked by the CPU's features at run time; with those fusions
+off they go to Eigen, whose f32 inner kernel is oneDNN's sgemm, again picked by the CPU (capped
+by `ONEDNN_MAX_CPU_ISA`); `rsqrt` (the RMSNorm) is the hardware estimate refined by one Newton
+step on AMD and two on Intel; the rest is compiled for the host's widest vector ISA. `PORTABLE`
+turns YNNPACK off, caps XLA's ISA and oneDNN's at AVX2, and computes `rsqrt` as 1 / sqrt.
+YNNPACK's consistent-arithmetic mode would pin its matmuls too, but it sends some bf16 dots to a
+thunk that rejects them and changes the gradients of agents trained in passes. Eigen still sizes
+its blocks by the CPU's caches, so CPUs may still part. Set `JOYAGENTS_PORTABLE_CPU_NUMERICS=0`
+to keep XLA's defaults. Imports nothing from JAX: call `pin_cpu_numerics()` before JAX starts
+its backend.
 
 `use_compilation_cache()` points JAX's persistent compilation cache at a folder kept between
 runs, so a rerun, a resumed run or the next seed loads what an earlier run compiled.
@@ -25,7 +26,8 @@ import os
 import sys
 from collections.abc import Mapping, MutableMapping
 
-PORTABLE = ("--xla_cpu_max_isa=AVX2", "--xla_cpu_enable_platform_dependent_math=false")
+PORTABLE = ("--xla_cpu_experimental_ynn_fusion_type=", "--xla_cpu_max_isa=AVX2")
+PORTABLE_ENV = {"ONEDNN_MAX_CPU_ISA": "AVX2"}  # read when oneDNN first runs
 EXTRA_OPTIONS = "--xla_backend_extra_options"  # comma-separated backend options
 PORTABLE_OPTIONS = ("xla_cpu_disable_platform_dependent_math",)
 SWITCH = "JOYAGENTS_PORTABLE_CPU_NUMERICS"
@@ -38,10 +40,13 @@ DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count="
 
 
 def pin_cpu_numerics(environ: MutableMapping[str, str] = os.environ) -> None:
-    """Adds the `PORTABLE` flags to XLA_FLAGS, except those the user already set, and the
-    `PORTABLE_OPTIONS` to the backend options (the user's own options are kept)."""
+    """Adds the `PORTABLE` flags to XLA_FLAGS, except those the user already set, the
+    `PORTABLE_OPTIONS` to the backend options (the user's own options are kept), and the
+    `PORTABLE_ENV` variables the user did not set."""
     if environ.get(SWITCH, "1") == "0":
         return
+    for key, value in PORTABLE_ENV.items():
+        environ.setdefault(key, value)
     flags = environ.get("XLA_FLAGS", "").split()
     names = {f.split("=", 1)[0] for f in flags}
     flags += [f for f in PORTABLE if f.split("=", 1)[0] not in names]

@@ -138,7 +138,10 @@ def test_lora_sft_learns_through_the_adapters_alone(step):
 @pytest.mark.parametrize("shared", [False, True])
 def test_agents_in_passes_give_the_one_pass_step(state, step, shared):
     """Passes of two agents (two sub-agents, then the third, silent one alone; the master alone)
-    take the same steps as one vmapped pass, up to rounding, shared or not."""
+    take the same steps as one vmapped pass, up to rounding, shared or not. Rounding differs
+    with the batch's shape, and Adam turns it into parameter moves of up to ~1e-5 where a
+    gradient is near zero (measured on an AVX2-only AMD EPYC); a pass that skipped or mixed up an
+    agent would move its parameters by whole updates (lr 2e-3 to 6e-3 over these steps)."""
     batch = {"subs": _demos(3, seed=0, silent=(2,)), "master": _demos(1, seed=1)}
     one = sft.make_sft_step(shared=True) if shared else step
     passes = sft.make_sft_step(shared=shared, agents_per_pass=2)
@@ -146,5 +149,5 @@ def test_agents_in_passes_give_the_one_pass_step(state, step, shared):
     for _ in range(3):
         state, one_m = one(state, batch)
         fresh, passes_m = passes(fresh, batch)
-    chex.assert_trees_all_close(fresh.groups, state.groups, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(fresh.groups, state.groups, rtol=1e-5, atol=1e-4)
     chex.assert_trees_all_close(passes_m, one_m, rtol=1e-5, atol=1e-6)
