@@ -17,7 +17,6 @@ import argparse
 import hashlib
 import json
 import os
-import subprocess
 import sys
 import tempfile
 
@@ -69,13 +68,6 @@ def read_rows(path: str) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-def _commit() -> str:
-    here = os.path.dirname(os.path.abspath(__file__))
-    out = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"],
-                         capture_output=True, text=True)
-    return out.stdout.strip() or "unknown"
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--against", help="another host's metrics.jsonl of this run, to compare")
@@ -89,7 +81,7 @@ def main() -> None:
         train.train(learning_study.config_for(0, OVERRIDES), workdir)
         rows = read_rows(os.path.join(workdir, "metrics.jsonl"))
     sft = [r for r in rows if r.get("phase") == "sft" and "sft/loss/master" in r]
-    record = {"model": "default", "commit": _commit(), "overrides": OVERRIDES,
+    record = {"model": "default", "commit": hardware.git_commit(), "overrides": OVERRIDES,
               "xla_flags": os.environ.get("XLA_FLAGS", ""), "sha256": digest(rows),
               "values": len(numbers(rows)), "sft_loss_master_60": sft[-1]["sft/loss/master"]}
     hardware.record_results(a.out, [record], {"commit": None})

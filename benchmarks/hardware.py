@@ -11,6 +11,7 @@ import datetime
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 
@@ -77,6 +78,14 @@ def device_name() -> str:
     isa = next((f", {name}" for flag, name in (("avx512f", "AVX-512"), ("avx2", "AVX2"))
                 if flag in flags), "")
     return f"cpu: {model}, {os.cpu_count()} cores{isa}"
+
+
+def git_commit() -> str:
+    """The short commit of this checkout ("unknown" outside git), so a record names its code."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    out = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"],
+                         capture_output=True, text=True)
+    return out.stdout.strip() or "unknown"
 
 
 def record_results(path: str, records: list[dict], setting: dict) -> None:

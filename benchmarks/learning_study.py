@@ -11,17 +11,18 @@ rollouts have generated `--tokens` tokens, and is evaluated greedily on all of `
     python benchmarks/learning_study.py --seeds 0,1,2                     # the study
     python benchmarks/learning_study.py --report                          # table + plot
 
-Runs are cached as JSON under --root (one file per seed and variant), so the study can be
-run piece by piece; --report aggregates whatever exists into `<out>.json` (one record per
-variant and seed: SFT and final accuracy with and without the memory, LLM calls, tokens, how
-many `test` queries GRPO fixed and broke for the policies alone against SFT, on how many it
-raised and lowered their LLM calls, and their calls above and below each query's minimum), a
-Markdown table (mean +- std over seeds, then the questions behind each run's fixed and broken
-queries) and `<out>.png` (rollout accuracy, and with --eval_every held-out accuracy without the
-memory, against generated tokens). `--set KEY=VALUE` overrides apply to every run, and all but
-`grpo.*` and `memory.*` ones also to the seed's SFT checkpoint (use a separate --root for each
-setting). A variant that overrides other keys (`sft_clean`) trains its own SFT checkpoint per
-seed; one that overrides a key --set also sets is refused.
+Runs are cached as JSON under --root (one file per seed and variant), so the study can be run
+piece by piece; --report aggregates whatever exists into `<out>.json` (one record per variant
+and seed: SFT and final accuracy with and without the memory, LLM calls, tokens, how many `test`
+queries GRPO fixed and broke for the policies alone against SFT, on how many it raised and
+lowered their LLM calls, and their calls above and below each query's minimum), a Markdown table
+(mean +- std over seeds, then the questions behind each run's fixed and broken queries) and
+`<out>.png` (rollout accuracy, and with --eval_every held-out accuracy without the memory,
+against generated tokens). Each run records its device and commit, and is compared (with SFT,
+with the baselines) only to runs of its seed on the same device. `--set KEY=VALUE` overrides
+apply to every run, and all but `grpo.*` and `memory.*` ones also to the seed's SFT checkpoint
+(use a separate --root for each setting). A variant that overrides other keys (`sft_clean`)
+trains its own SFT checkpoint per seed; one that overrides a key --set also sets is refused.
 """
 
 from __future__ import annotations
@@ -32,13 +33,17 @@ import collections
 import json
 import math
 import os
+import sys
 import time
 
 import numpy as np
 
-from joyagents_jax import checkpoint, experiment, train, xla_flags
-from joyagents_jax import config as config_lib
-from joyagents_jax.data import assistant_suite as suite
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import hardware  # noqa: E402
+from joyagents_jax import checkpoint, experiment, train, xla_flags  # noqa: E402
+from joyagents_jax import config as config_lib  # noqa: E402
+from joyagents_jax.data import assistant_suite as suite  # noqa: E402
 
 # name: (description, config overrides) on top of the embedded default.
 VARIANTS = {
@@ -89,6 +94,8 @@ VARIANTS = {
                "advantage (trajectory credit for the suffix)", {"grpo.suffix_credit": True}),
     "greedy_completions": ("the default, tau0 and each alternative's later nodes decoded "
                            "greedily", {"grpo.greedy_completions": True}),
+    "greedy_t06": ("greedy_completions, the branch node's alternatives sampled at temperature "
+                   "0.6", {"grpo.greedy_completions": True, "grpo.temperature": 0.6}),
 }
 MAIN = ("sft_only", "trajectory", "nodewise_all", "nodewise_topk", "joyagents")
 SPLITS = {"test": 200, "test_novel": 50}
@@ -202,7 +209,15 @@ def run_variant(root: str, seed: int, name: str, tokens: int, max_steps: int,
             "test_acc": ev["eval/test/accuracy"],
             "test_acc_no_memory": alone("eval/test/accuracy"),
             "llm_calls_no_memory": alone("eval/test/llm_calls_per_query"),
-            **per_query, "overrides": extra or {}}
+            **per_query, "overrides": extra or {}, "device": hardware.device_name(),
+            "commit": hardware.git_commit()}
+
+
+def run_key(run: dict) -> tuple[int, str | None]:
+    """(seed, device): runs compare query by query only on one host, since a seed's numbers
+    may differ between CPUs (benchmarks/RESULTS.md, "What the CPU still chose"). Runs cached
+    before the device was recorded have None."""
+    return run["seed"], run.get("device")
 
 
 def flip_masks(run: dict, sft: dict | None) -> tuple[np.ndarray, np.ndarray] | None:
@@ -229,11 +244,11 @@ def sign_test_p(wins: int, losses: int) -> float:
 
 
 def paired(runs: list[dict], baselines: list[dict]) -> tuple[list[int], int, int] | None:
-    """(seeds, wins, losses) over the seeds both hold with per-query answers: `test` queries the
-    policies alone answer and the baseline's do not, and the reverse (`flips` with the baseline
-    in SFT's place); None when no seed pairs up."""
-    base = {r["seed"]: r for r in baselines}
-    pairs = [(r["seed"], flips(r, base.get(r["seed"]))) for r in runs]
+    """(seeds, wins, losses) over the seeds both hold, on the same device, with per-query
+    answers: `test` queries the policies alone answer and the baseline's do not, and the reverse
+    (`flips` with the baseline in SFT's place); None when no seed pairs up."""
+    base = {run_key(r): r for r in baselines}
+    pairs = [(r["seed"], flips(r, base.get(run_key(r)))) for r in runs]
     pairs = sorted((seed, f) for seed, f in pairs if f)
     if not pairs:
         return None
@@ -284,10 +299,10 @@ def records(runs: list[dict]) -> list[dict]:
     """One record per (variant, seed): accuracy and LLM calls after GRPO, with and without the
     memory, beside the same seed's end-of-SFT figures (from its `sft_only` run), the test
     queries GRPO fixed and broke for the policies alone, and those whose calls it moved."""
-    sft = {r["seed"]: r for r in runs if r["variant"] == "sft_only"}
+    sft = {run_key(r): r for r in runs if r["variant"] == "sft_only"}
     out = []
     for r in runs:
-        base = sft.get(r["seed"])
+        base = sft.get(run_key(r))
         fixed, broken = flips(r, base) or (None, None)
         more, fewer = call_moves(r, base) or (None, None)
         above, below = calls_against_minimum(r) or (None, None)
@@ -300,7 +315,7 @@ def records(runs: list[dict]) -> list[dict]:
                     "more_calls_no_memory": more, "fewer_calls_no_memory": fewer,
                     "calls_above_min_no_memory": above, "calls_below_min_no_memory": below,
                     "generated_tokens": r["generated_tokens"], "steps": r["steps"],
-                    "overrides": r.get("overrides", {})})
+                    "overrides": r.get("overrides", {}), "device": r.get("device")})
     return out
 
 
@@ -309,9 +324,9 @@ def flip_listing(root: str, runs: list[dict]) -> str:
     (`q xN (fM)`: N of its queries, M records of it in `train`), most first; "" when no run has
     per-query answers. Popular questions recur in `test`, so one question can move the accuracy
     by several points."""
-    sft = {r["seed"]: r for r in runs if r["variant"] == "sft_only"}
-    pairs = [(r, sft[r["seed"]]) for r in runs
-             if not is_sft(r["variant"]) and flips(r, sft.get(r["seed"]))]
+    sft = {run_key(r): r for r in runs if r["variant"] == "sft_only"}
+    pairs = [(r, sft[run_key(r)]) for r in runs
+             if not is_sft(r["variant"]) and flips(r, sft.get(run_key(r)))]
     if not pairs:
         return ""
     c = config_for(0, {**pairs[0][0]["overrides"], "data_dir": os.path.join(root, "data")})
@@ -343,11 +358,10 @@ def report(root: str, out_md: str, out_png: str) -> str:
                       if k.startswith("eval/test/accuracy/")})
     stat = lambda xs, f=".3f": (f"{np.mean(xs):{f}} +- {np.std(xs):{f}}" if len(xs) > 1
                                 else f"{xs[0]:{f}}")
-    sft = {r["seed"]: r["eval"]["eval/test/accuracy"] for r in by_variant.get("sft_only", [])}
-    gain = lambda rs: stat([r["eval"]["eval/test/accuracy"] - sft[r["seed"]] for r in rs
-                            if r["seed"] in sft] or [float("nan")])
-    sft_runs = {r["seed"]: r for r in by_variant.get("sft_only", [])}
-    vs_sft = lambda rs, pair: [c for c in (pair(r, sft_runs.get(r["seed"])) for r in rs) if c]
+    sft_runs = {run_key(r): r for r in by_variant.get("sft_only", [])}
+    gain = lambda rs: stat([r["eval"]["eval/test/accuracy"] - sft_runs[run_key(r)]["test_acc"]
+                            for r in rs if run_key(r) in sft_runs] or [float("nan")])
+    vs_sft = lambda rs, pair: [c for c in (pair(r, sft_runs.get(run_key(r))) for r in rs) if c]
     joined = lambda tuples, f: (" / ".join(stat(list(x), f) for x in zip(*tuples))
                                 if tuples else "-")
     head = ["variant", "seeds", "test acc", "gain over SFT", *domains, "test acc without memory",
@@ -417,7 +431,7 @@ def _plot(by_variant: dict[str, list[dict]], path: str) -> None:
 
     fig = Figure(figsize=(11, 5), layout="constrained")
     rollout_ax, heldout_ax = fig.subplots(1, 2)
-    sft = {r["seed"]: r["test_acc"] for r in by_variant.get("sft_only", [])}
+    sft = {run_key(r): r["test_acc"] for r in by_variant.get("sft_only", [])}
     names = [n for n in VARIANTS if n in by_variant]
     for name, color in variant_colors(names).items():
         rs = by_variant[name]
@@ -432,7 +446,7 @@ def _plot(by_variant: dict[str, list[dict]], path: str) -> None:
             acc = [p["accuracy"] for p in r["curve"]]
             y = [np.mean(acc[max(0, t - 2):t + 1]) for t in range(len(acc))]  # trailing mean
             rollout_ax.plot(x, y, color=color, alpha=0.7, lw=1, label=label)
-            held = heldout_points(r, sft.get(r["seed"]))
+            held = heldout_points(r, sft.get(run_key(r)))
             if len(held) > 1:
                 hx, hy = zip(*held)
                 heldout_ax.plot(hx, hy, color=color, alpha=0.7, lw=1, marker=".")

@@ -56,6 +56,21 @@ def test_paired_sums_wins_and_losses_over_the_seeds_both_runs_hold():
     assert ls.paired(runs, [answers(5, [1, 1, 1])]) is None
 
 
+def test_paired_and_records_match_runs_of_one_device_only():
+    run = lambda device, xs: {"seed": 0, "device": device, "test_answers_no_memory": xs}
+    assert ls.paired([run("cpu: A", [1, 1])], [run("cpu: B", [0, 0])]) is None
+    assert ls.paired([run("cpu: A", [1, 1])], [run("cpu: B", [0, 0]), run("cpu: A", [1, 0])]) \
+        == ([0], 1, 0)
+    full = lambda variant, device, acc: {
+        "variant": variant, "seed": 0, "device": device, "test_acc": acc,
+        "test_acc_no_memory": acc, "llm_calls_no_memory": 4.0, "generated_tokens": 10,
+        "steps": 1, "test_answers_no_memory": [acc]}
+    recs = ls.records([full("sft_only", "cpu: B", 0.0), full("default", "cpu: A", 1.0)])
+    assert recs[1]["sft_test_acc"] is None and recs[1]["device"] == "cpu: A"
+    recs = ls.records([full("sft_only", "cpu: A", 0.0), full("default", "cpu: A", 1.0)])
+    assert (recs[1]["sft_test_acc"], recs[1]["fixed_no_memory"]) == (0.0, 1)
+
+
 def test_paired_table_rows_name_variant_baseline_and_net_points():
     answers = lambda seed, xs: {"seed": seed, "test_answers_no_memory": xs + [0] * (200 - len(xs))}
     by_variant = {"default": [answers(0, [1] * 10)], "trajectory": [answers(0, [0] * 10)],
