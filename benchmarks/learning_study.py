@@ -243,33 +243,60 @@ def sign_test_p(wins: int, losses: int) -> float:
     return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n) if n else 1.0
 
 
-def paired(runs: list[dict], baselines: list[dict]) -> tuple[list[int], int, int] | None:
+def question_flips(run: dict, base: dict | None, qid: list[str]) -> tuple[int, int] | None:
+    """(won, lost): questions whose `test` queries `run` answers more (fewer) of than `base`
+    (policies alone), qid[i] the question of query i. Greedy decoding answers a question's
+    recurring queries alike, so these, not the queries, are the independent paired draws."""
+    masks = flip_masks(run, base)
+    if masks is None:
+        return None
+    net = collections.Counter()
+    for sign, mask in zip((1, -1), masks):
+        for i in np.flatnonzero(mask):
+            net[qid[i]] += sign
+    return sum(v > 0 for v in net.values()), sum(v < 0 for v in net.values())
+
+
+def paired(runs: list[dict], baselines: list[dict],
+           qid: list[str] | None = None) -> tuple[list[int], int, int] | None:
     """(seeds, wins, losses) over the seeds both hold, on the same device, with per-query
     answers: `test` queries the policies alone answer and the baseline's do not, and the reverse
-    (`flips` with the baseline in SFT's place); None when no seed pairs up."""
+    (`flips` with the baseline in SFT's place), or with `qid` the questions (`question_flips`,
+    one per seed and question); None when no seed pairs up."""
     base = {run_key(r): r for r in baselines}
-    pairs = [(r["seed"], flips(r, base.get(run_key(r)))) for r in runs]
+    count = flips if qid is None else lambda r, b: question_flips(r, b, qid)
+    pairs = [(r["seed"], count(r, base.get(run_key(r)))) for r in runs]
     pairs = sorted((seed, f) for seed, f in pairs if f)
     if not pairs:
         return None
     return [seed for seed, _ in pairs], sum(f[0] for _, f in pairs), sum(f[1] for _, f in pairs)
 
 
-def paired_table(by_variant: dict[str, list[dict]], baselines=PAIRED_BASELINES) -> str:
-    """Markdown: each GRPO variant against each baseline, query by query (policies alone).
-    Popular questions recur in `test`, so its queries are not independent draws: the p-value
-    of the sign test is a guide, not a guarantee; "" when nothing pairs up."""
-    lines = ["| variant | against | seeds | queries won / lost | net points per seed | "
-             "sign test p |", "|---|---|---|---|---|---|"]
+def paired_table(by_variant: dict[str, list[dict]], qid: list[str] | None = None,
+                 baselines=PAIRED_BASELINES) -> str:
+    """Markdown: each GRPO variant against each baseline, query by query (policies alone), and
+    with `qid` question by question: popular questions recur in `test` and are answered alike,
+    so the sign test over queries overstates the evidence; the one over questions does not.
+    "" when nothing pairs up."""
+    by_question = ["questions won / lost", "sign test p over questions"] if qid else []
+    head = ["variant", "against", "seeds", "queries won / lost", "net points per seed",
+            "sign test p", *by_question]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for base in baselines:
         for name in VARIANTS:
-            got = (paired(by_variant[name], by_variant.get(base, []))
-                   if name in by_variant and name != base and not is_sft(name) else None)
-            if got:
-                seeds, won, lost = got
-                lines.append(f"| {name} | {base} | {','.join(map(str, seeds))} | {won} / "
-                             f"{lost} | {100 * (won - lost) / SPLITS['test'] / len(seeds):+.1f}"
-                             f" | {sign_test_p(won, lost):.3f} |")
+            if name not in by_variant or name == base or is_sft(name):
+                continue
+            got = paired(by_variant[name], by_variant.get(base, []))
+            if not got:
+                continue
+            seeds, won, lost = got
+            cells = [name, base, ",".join(map(str, seeds)), f"{won} / {lost}",
+                     f"{100 * (won - lost) / SPLITS['test'] / len(seeds):+.1f}",
+                     f"{sign_test_p(won, lost):.3f}"]
+            if qid:
+                _, q_won, q_lost = paired(by_variant[name], by_variant[base], qid)
+                cells += [f"{q_won} / {q_lost}", f"{sign_test_p(q_won, q_lost):.3f}"]
+            lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
@@ -319,7 +346,21 @@ def records(runs: list[dict]) -> list[dict]:
     return out
 
 
-def flip_listing(root: str, runs: list[dict]) -> str:
+def question_ids(root: str, runs: list[dict]) -> tuple[list[str], collections.Counter] | None:
+    """The question of each `test` query, and each question's records in `train`, from the suite
+    in `root`; None when no run has per-query answers."""
+    answered = [r for r in runs if r.get("test_answers_no_memory")]
+    if not answered:
+        return None
+    overrides = {**answered[0].get("overrides", {}), "data_dir": os.path.join(root, "data")}
+    sources = experiment.load_sources(config_for(0, overrides), root)
+    qid = [suite.decode(sources["test"][i]).question_id for i in range(SPLITS["test"])]
+    train = collections.Counter(suite.decode(sources["train"][i]).question_id
+                                for i in range(len(sources["train"])))
+    return qid, train
+
+
+def flip_listing(runs: list[dict], qid: list[str], train: collections.Counter) -> str:
     """A Markdown table of the questions behind each GRPO run's fixed and broken `test` queries
     (`q xN (fM)`: N of its queries, M records of it in `train`), most first; "" when no run has
     per-query answers. Popular questions recur in `test`, so one question can move the accuracy
@@ -329,11 +370,6 @@ def flip_listing(root: str, runs: list[dict]) -> str:
              if not is_sft(r["variant"]) and flips(r, sft.get(run_key(r)))]
     if not pairs:
         return ""
-    c = config_for(0, {**pairs[0][0]["overrides"], "data_dir": os.path.join(root, "data")})
-    sources = experiment.load_sources(c, root)
-    qid = [suite.decode(sources["test"][i]).question_id for i in range(SPLITS["test"])]
-    train = collections.Counter(suite.decode(sources["train"][i]).question_id
-                                for i in range(len(sources["train"])))
     names = lambda mask: ", ".join(f"{q} x{n} (f{train[q]})" for q, n in collections.Counter(
         qid[i] for i in np.flatnonzero(mask)).most_common()) or "-"
     lines = ["| variant | seed | fixed (questions) | broken (questions) |", "|---|---|---|---|"]
@@ -388,10 +424,12 @@ def report(root: str, out_md: str, out_png: str) -> str:
                  stat([r["generated_tokens"] for r in rs], ".0f")]
         lines.append("| " + " | ".join(cells) + " |")
     table = "\n".join(lines)
-    pairs = paired_table(by_variant)
+    qid, train = question_ids(root, runs) or (None, None)
+    pairs = paired_table(by_variant, qid)
     if pairs:
-        table += "\n\nEach run against the baselines on the same seeds, query by query:\n\n" + pairs
-    listing = flip_listing(root, runs)
+        table += ("\n\nEach run against the baselines on the same seeds, query by query and "
+                  "question by question:\n\n" + pairs)
+    listing = flip_listing(runs, qid, train) if qid else ""
     if listing:
         table += "\n\nTest queries fixed and broken by GRPO, by question:\n\n" + listing
     with open(out_md, "w") as f:

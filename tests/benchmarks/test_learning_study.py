@@ -80,6 +80,32 @@ def test_paired_table_rows_name_variant_baseline_and_net_points():
     assert ls.paired_table({"default": by_variant["default"]}) == ""
 
 
+def test_question_flips_count_each_question_once_by_its_net_flips():
+    qid = ["a", "a", "a", "b", "b", "c", "d"]
+    run = {"test_answers_no_memory": [1, 1, 1, 1, 0, 0, 1]}
+    base = {"test_answers_no_memory": [0, 0, 0, 0, 1, 1, 1]}
+    assert ls.question_flips(run, base, qid) == (1, 1)  # a won, b even, c lost, d unchanged
+    assert ls.question_flips(run, {}, qid) is None
+
+
+def test_paired_over_questions_sums_questions_over_seeds():
+    qid = ["a", "a", "b"]
+    answers = lambda seed, xs: {"seed": seed, "test_answers_no_memory": xs}
+    runs = [answers(0, [1, 1, 0]), answers(1, [0, 0, 1])]
+    base = [answers(0, [0, 0, 1]), answers(1, [1, 1, 0])]
+    assert ls.paired(runs, base) == ([0, 1], 3, 3)
+    assert ls.paired(runs, base, qid) == ([0, 1], 2, 2)
+
+
+def test_paired_table_adds_the_question_columns_given_the_questions():
+    answers = lambda seed, xs: {"seed": seed, "test_answers_no_memory": xs + [0] * (200 - len(xs))}
+    by_variant = {"default": [answers(0, [1] * 10)], "trajectory": [answers(0, [0] * 10)]}
+    qid = ["a"] * 6 + [f"q{i}" for i in range(194)]
+    head, _, row = ls.paired_table(by_variant, qid).splitlines()
+    assert head.endswith("| questions won / lost | sign test p over questions |")
+    assert row == "| default | trajectory | 0 | 10 / 0 | +5.0 | 0.002 | 5 / 0 | 0.062 |"
+
+
 def test_flips_need_both_runs_answers():
     assert ls.flips({"test_answers_no_memory": [1.0]}, None) is None
 
