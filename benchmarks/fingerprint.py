@@ -6,9 +6,10 @@ Trains the default (seed 0) for 60 SFT steps and 2 GRPO steps with a 20-query ev
 temporary folder, with the numerics `joyagents` pins, and hashes every value `metrics.jsonl`
 logged except the wall-clock ones (keys naming a time or seconds). Two hosts that print the same
 hash ran the same arithmetic; a different hash names the first step and key where they part when
-compared with `--against` (a metrics.jsonl from the other host). Merges its record (device,
-hash, the step-60 SFT loss) into `benchmarks/results/fingerprint.json`, one per device and
-commit, so the hosts this project meets accumulate.
+compared with `--against` (a metrics.jsonl from the other host) or with a recorded host. Merges
+its record (device, hash, the step-60 SFT loss) into `benchmarks/results/fingerprint.json`, one
+per device and commit, and the hashed values beside it (`results/fingerprint/<hash>.json`), so
+the hosts this project meets accumulate and each new one names where it parts from each of them.
 """
 
 from __future__ import annotations
@@ -50,10 +51,9 @@ def digest(rows: list[dict]) -> str:
     return hashlib.sha256(json.dumps(numbers(rows)).encode()).hexdigest()
 
 
-def first_difference(rows: list[dict], others: list[dict]) -> tuple[list, list] | None:
-    """The first [step, key, value] two runs logged differently, ours and theirs ([] past the
-    end of the shorter run); None when they logged the same numbers."""
-    ours, theirs = numbers(rows), numbers(others)
+def first_difference(ours: list[list], theirs: list[list]) -> tuple[list, list] | None:
+    """The first [step, key, value] of two runs' `numbers` that differs, ours and theirs ([]
+    past the end of the shorter run); None when they logged the same numbers."""
     for a, b in zip(ours, theirs):
         if a != b:
             return a, b
@@ -68,6 +68,25 @@ def read_rows(path: str) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
+def describe(diff: tuple[list, list] | None) -> str:
+    return ("the same numbers" if diff is None
+            else f"first difference ([step, key, value]): ours {diff[0]}, theirs {diff[1]}")
+
+
+def against_recorded(nums: list[list], records: list[dict], folder: str) -> list[str]:
+    """One line per recorded run of the same overrides whose values were kept: the same numbers
+    as ours, or the first value where they part."""
+    lines = []
+    for r in records:
+        path = os.path.join(folder, r.get("values_file", ""))
+        if r.get("overrides") == OVERRIDES and r.get("values_file") and os.path.exists(path):
+            with open(path) as f:
+                theirs = json.load(f)
+            lines.append(f"against {r['device']} ({r['commit']}): "
+                         f"{describe(first_difference(nums, theirs))}")
+    return lines
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--against", help="another host's metrics.jsonl of this run, to compare")
@@ -80,17 +99,26 @@ def main() -> None:
         workdir = a.keep or os.path.join(tmp, "run")
         train.train(learning_study.config_for(0, OVERRIDES), workdir)
         rows = read_rows(os.path.join(workdir, "metrics.jsonl"))
+    nums, folder = numbers(rows), os.path.dirname(os.path.abspath(a.out))
     sft = [r for r in rows if r.get("phase") == "sft" and "sft/loss/master" in r]
     record = {"model": "default", "commit": hardware.git_commit(), "overrides": OVERRIDES,
               "xla_flags": os.environ.get("XLA_FLAGS", ""), "sha256": digest(rows),
-              "values": len(numbers(rows)), "sft_loss_master_60": sft[-1]["sft/loss/master"]}
-    hardware.record_results(a.out, [record], {"commit": None})
+              "values": len(nums), "sft_loss_master_60": sft[-1]["sft/loss/master"],
+              "values_file": os.path.join("fingerprint", digest(rows) + ".json")}
+    recorded = []
+    if os.path.exists(a.out):
+        with open(a.out) as f:
+            recorded = json.load(f)
     print(f"{hardware.device_name()}: sha256 {record['sha256']} over {record['values']} values; "
           f"SFT loss (master) at step 60: {record['sft_loss_master_60']!r}")
+    print("\n".join(against_recorded(nums, recorded, folder)))
     if a.against:
-        diff = first_difference(rows, read_rows(a.against))
-        print("the same numbers as --against" if diff is None
-              else f"first difference ([step, key, value]): ours {diff[0]}, theirs {diff[1]}")
+        theirs = numbers(read_rows(a.against))
+        print(f"against {a.against}: {describe(first_difference(nums, theirs))}")
+    os.makedirs(os.path.join(folder, "fingerprint"), exist_ok=True)
+    with open(os.path.join(folder, record["values_file"]), "w") as f:
+        json.dump(nums, f, separators=(",", ":"))
+    hardware.record_results(a.out, [record], {"commit": None})
 
 
 if __name__ == "__main__":
