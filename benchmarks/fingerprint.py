@@ -69,6 +69,7 @@ def read_rows(path: str) -> list[dict]:
 
 
 def describe(diff: tuple[list, list] | None) -> str:
+    """`first_difference`'s answer in words."""
     return ("the same numbers" if diff is None
             else f"first difference ([step, key, value]): ours {diff[0]}, theirs {diff[1]}")
 
@@ -99,12 +100,12 @@ def main() -> None:
         workdir = a.keep or os.path.join(tmp, "run")
         train.train(learning_study.config_for(0, OVERRIDES), workdir)
         rows = read_rows(os.path.join(workdir, "metrics.jsonl"))
-    nums, folder = numbers(rows), os.path.dirname(os.path.abspath(a.out))
+    nums, folder, sha = numbers(rows), os.path.dirname(os.path.abspath(a.out)), digest(rows)
     sft = [r for r in rows if r.get("phase") == "sft" and "sft/loss/master" in r]
     record = {"model": "default", "commit": hardware.git_commit(), "overrides": OVERRIDES,
-              "xla_flags": os.environ.get("XLA_FLAGS", ""), "sha256": digest(rows),
+              "xla_flags": os.environ.get("XLA_FLAGS", ""), "sha256": sha,
               "values": len(nums), "sft_loss_master_60": sft[-1]["sft/loss/master"],
-              "values_file": os.path.join("fingerprint", digest(rows) + ".json")}
+              "values_file": os.path.join("fingerprint", sha + ".json")}
     recorded = []
     if os.path.exists(a.out):
         with open(a.out) as f:
