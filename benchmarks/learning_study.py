@@ -84,6 +84,8 @@ VARIANTS = {
                          {"grpo.gold_branches": True, "grpo.topk": 0, "grpo.learning_rate": 5e-5}),
     "grounding_chars": ("R_G (w_grounding=0.2) with partial credit for near copies",
                         {"grpo.w_grounding": 0.2, "grpo.grounding_match": "chars"}),
+    "self_imitation": ("the default with a supervised step on 8 best memory entries per agent "
+                       "after each GRPO step", {"grpo.self_imitation": 8}),
     "no_std": ("the default with Dr. GRPO's advantages (r - group mean, not divided by the std)",
                {"grpo.advantage": "no_std"}),
     "neg_0.25": ("the default with negative advantages scaled by 0.25 (leaning on the samples "

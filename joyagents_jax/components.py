@@ -23,7 +23,8 @@ from joyagents_jax.sampling import SamplingConfig
 # Read by the train loop itself (how many steps, which batch), not by a component.
 LOOP_KEYS = ("sft.steps", "sft.shared_steps", "sft.batch_per_agent", "sft.extra_worlds",
              "grpo.steps", "grpo.queries", "grpo.memory_groups", "grpo.min_groups",
-             "grpo.max_refills", "grpo.query_order", "memory.enabled", "memory.in_rollouts")
+             "grpo.max_refills", "grpo.query_order", "grpo.self_imitation", "memory.enabled",
+             "memory.in_rollouts")
 
 
 class Components(NamedTuple):
@@ -84,7 +85,7 @@ def build(c: ml_collections.ConfigDict) -> Components:
         sampling=SamplingConfig(c.limits.max_tokens_per_node, temperature=g.temperature,
                                 top_k=g.top_k, top_p=g.top_p),
         limits=system.Limits(**c.limits),
-        memory=_memory(c.memory, rewards.best_memory_reward),
+        memory=_memory(c.memory, rewards.best_memory_reward, c.max_len),
         demonstrator=demonstrator.DemoErrors(wrong_route=s.demo_wrong_route,
                                              wrong_tool=s.demo_wrong_tool,
                                              redundant_call=s.demo_redundant_call),
@@ -99,10 +100,13 @@ def _lora(c: ml_collections.ConfigDict) -> dict[str, lora.LoRAConfig | None]:
             for g in c.groups}
 
 
-def _memory(m: ml_collections.ConfigDict, best_reward: float) -> memory.MemoryConfig:
-    """Every `memory` key but `enabled` (which decides whether there is a memory at all)."""
+def _memory(m: ml_collections.ConfigDict, best_reward: float, max_len: int
+            ) -> memory.MemoryConfig:
+    """Every `memory` key but `enabled` (which decides whether there is a memory at all);
+    prompts are kept up to max_len - 1 tokens (a longer one leaves no room for a response)."""
     return memory.MemoryConfig(
         capacity=m.capacity, response_length=m.response_len, request_length=m.request_len,
+        prompt_length=max_len - 1,
         tau_reuse=m.tau_reuse, tau_hint=m.tau_hint, reuse_min_reward=m.reuse_min_reward,
         tau_dup=m.tau_dup, z=m.z, best_reward=best_reward, alpha=m.alpha, beta=m.beta,
         decay_steps=m.decay_steps, reuse=m.reuse, hints=m.hints, embed_batch=m.embed_batch)

@@ -149,6 +149,10 @@ def get_config() -> ml_collections.ConfigDict:
     # scale with the gradient, where Adam moves every parameter about as far): on seed 1 at
     # learning rates 2e-4 and 1e-3 the policies alone ended 1.0 and 2.5 points below SFT,
     # against 0.5 with AdamW (benchmarks/RESULTS.md, "Which test answers GRPO changes").
+    # self_imitation = n > 0: after each GRPO step every agent also takes one supervised step on
+    # up to n of its memory entries with the best R_A + R_F (stored prompt -> stored output,
+    # drawn by (seed, step)), so the policies learn what the memory answers (0: off; needs the
+    # memory).
     c.grpo = ml_collections.ConfigDict(dict(
         steps=30, queries=36, group_size=4, mode="nodewise", topk=0, select="groups",
         micro_batch=16, inner_steps=2, beta=0.04, eps_low=0.2, eps_high=0.28, kl="k3",
@@ -157,7 +161,7 @@ def get_config() -> ml_collections.ConfigDict:
         top_p=1.0, top_k=0, memory_groups="keep", w_format=0.1, w_efficiency=0.05,
         w_grounding=0.0, min_groups=0, max_refills=2, query_order="traffic",
         grounding_match="word", memory_branches=True, neg_weight=1.0, gold_branches=False,
-        share_identical=True, suffix_credit=False, greedy_completions=False))
+        share_identical=True, suffix_credit=False, greedy_completions=False, self_imitation=0))
 
     # Reuse needs a (near-)identical node input: with mean-pooled embeddings of a tiny model,
     # different prompts of one agent reach cosine 0.9996 (measured). Hints are off by default

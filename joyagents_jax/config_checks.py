@@ -274,7 +274,9 @@ def _grpo(c) -> Iterator[str]:
                     _choice(c, "grpo.grounding_match", rewards.GROUNDING_MATCHES),
                     _number(c, "grpo.min_groups", low=0, integer=True,
                             why="0 turns dynamic sampling off"),
-                    _number(c, "grpo.max_refills", low=0, integer=True))
+                    _number(c, "grpo.max_refills", low=0, integer=True),
+                    _number(c, "grpo.self_imitation", low=0, integer=True,
+                            why="rows per agent of each step's supervised step; 0 = off"))
     if g.memory_groups == "drop" and g.mode == "full_tree":
         yield ("config.grpo.memory_groups=drop: full_tree rollouts do not mark memory-answered "
                "episodes; use grpo.mode=nodewise or trajectory, or memory_groups=keep.")
@@ -292,6 +294,10 @@ def _grpo(c) -> Iterator[str]:
         yield ("config.grpo.greedy_completions=True with grpo.tempered_loss=True: greedy "
                "outputs have no log-probs under the tempered sampling distribution that loss "
                "scores. Set tempered_loss=False or greedy_completions=False.")
+    if isinstance(g.self_imitation, int) and g.self_imitation > 0 and c.memory.enabled is False:
+        yield (f"config.grpo.self_imitation={g.self_imitation}: it imitates the memory's best "
+               f"entries, and memory.enabled is False. Set memory.enabled=True or "
+               f"self_imitation=0.")
     mb = g.micro_batch
     if isinstance(mb, int) and mb > 0 and mb & (mb - 1):
         yield (f"config.grpo.micro_batch={mb}: must be a power of two (rows per agent in one "

@@ -30,6 +30,8 @@ from joyagents_jax.agents import demonstrator, protocol, system
 from joyagents_jax.data import assistant_suite as suite
 from joyagents_jax.models import hf_io, lora, presets, qwen2
 from joyagents_jax.rl import grpo_step, memory_hook, rollout
+from joyagents_jax.rl import memory as mem
+from joyagents_jax.rl import self_imitation
 from joyagents_jax.run_state import RunState
 from joyagents_jax.sampling import Sampler
 from joyagents_jax.tokenizers import load_tokenizer
@@ -101,7 +103,9 @@ class Experiment:
         self._makers = {"sft": functools.partial(sft.make_sft_step, agents_per_pass=per_pass),
                         "shared_sft": functools.partial(sft.make_sft_step, shared=True,
                                                         agents_per_pass=per_pass),
-                        "grpo": functools.partial(grpo_step.make_grpo_step, self.parts.grpo_step)}
+                        "grpo": functools.partial(grpo_step.make_grpo_step, self.parts.grpo_step),
+                        "self_imitation": functools.partial(sft.make_sft_step,
+                                                            agents_per_pass=per_pass)}
         self._jitted = {}
         self.memory = (memory_hook.Context(self.system, self.tokenizer, self.slots,
                                            self.parts.memory)
@@ -363,7 +367,8 @@ class Experiment:
         2. build the batch from the node groups that have a reward spread;
         3. the marginal-benefit update: each agent's top-K node groups by reward variance, one
            clipped GRPO step of every selected agent;
-        4. the memory update, fed by the same rollout's rewards.
+        4. the memory update, fed by the same rollout's rewards;
+        5. with `grpo.self_imitation`, a supervised step on the memory's best entries.
         """
         start, k = time.perf_counter(), int(run.step) - self.config.sft.steps
         result, refills = self._rollout(run, k)
@@ -381,6 +386,8 @@ class Experiment:
             tables = sharding.replicate(tables, self.mesh)
             metrics.update({f"memory/{name}": v for name, v in m.items()})
             metrics["time/memory_update_seconds"] = time.perf_counter() - memory_start
+            if self.config.grpo.self_imitation:
+                train = self._self_imitation(train, tables, int(run.step), metrics)
         metrics["time/step_seconds"] = time.perf_counter() - start
         return run.next(train, tables), metrics
 
@@ -453,6 +460,25 @@ class Experiment:
                                         for g, agent_m in m["agents"].items()}, "grpo"))
         metrics.update({f"grpo/{k}": float(m[k]) for k in ("kept_groups", "mixed_groups",
                                                             "updated_agents", "skipped")})
+        return train
+
+    def _self_imitation(self, train: ts.TrainState, tables: dict[str, mem.MemoryTable],
+                        step: int, metrics: dict) -> ts.TrainState:
+        """One SFT step (the GRPO optimizer) on up to `grpo.self_imitation` of each agent's
+        best memory entries (`rl/self_imitation.py`), drawn with (seed, step); logs it."""
+        host = mem.agent_tables(distributed.to_host(tables), self.slots)
+        demos = self_imitation.draw(host, self.config.agents, self.config.grpo.self_imitation,
+                                    self.parts.memory.best_reward, self.config.max_len,
+                                    np.random.default_rng([self.config.seed, 13, step]))
+        metrics["self_imitation/rows"] = len(demos)
+        if not demos:
+            return train
+        batch = batching.sft_batch(demos, self.slots, self.group_sizes, self.config.max_len,
+                                   self.min_rows, fixed_len=True)  # few shapes to compile
+        train, m = self._run_step("self_imitation", train, batch)
+        metrics.update(self._per_agent({g: {"loss": a["loss"], "tokens": a["tokens"]}
+                                        for g, a in m["agents"].items()}, "self_imitation"))
+        metrics["self_imitation/skipped"] = float(m["skipped"])
         return train
 
     def _per_agent(self, agents: dict, prefix: str) -> dict[str, float]:

@@ -483,3 +483,35 @@ def test_the_state_is_committed_to_its_device_before_the_first_step(data_dir, tm
     assert all(x.committed for x in jax.tree.leaves(run.train))
     run = exp.start_grpo(run)
     assert all(x.committed for x in jax.tree.leaves(run.train))
+
+
+def test_self_imitation_trains_only_agents_with_best_memory_entries(data_dir, tmp_path):
+    """grpo.self_imitation=2: one supervised step on up to 2 best memory entries per agent
+    (here only qa has any, 3 of them): qa's policy moves, every other agent's stays; without an
+    eligible entry there is no step. A GRPO iteration runs it after the memory update."""
+    exp = evaluate.experiment.Experiment(
+        _config(data_dir=data_dir, **{"grpo.self_imitation": 2}), str(tmp_path))
+    run = exp.start_grpo(exp.init_run())
+    group, qa = exp.slots["qa"]
+    tables = jax.tree.map(np.array, run.memory)
+    t = tables[group]
+    for slot, (context, output) in enumerate(exp.demos["qa"][:3]):
+        t.prompt[qa, slot, :len(context)], t.prompt_length[qa, slot] = context, len(context)
+        t.response[qa, slot, :len(output)], t.length[qa, slot] = output, len(output)
+        t.reward[qa, slot], t.valid[qa, slot] = exp.parts.memory.best_reward, True
+    before = jax.device_get(run.train.groups[group].params)
+    metrics = {}
+    train = exp._self_imitation(run.train, tables, 7, metrics)
+    after = jax.device_get(train.groups[group].params)
+    assert metrics["self_imitation/rows"] == 2 and metrics["self_imitation/skipped"] == 0
+    assert metrics["self_imitation/tokens/qa"] > 0 and metrics["self_imitation/tokens/math"] == 0
+    for i, agent in enumerate(exp.config.groups[group].agents):
+        moved = any(not np.array_equal(a[i], b[i])
+                    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)))
+        assert moved == (agent == "qa"), agent
+    metrics = {}
+    assert exp._self_imitation(train, run.memory, 7, metrics) is train
+    assert metrics == {"self_imitation/rows": 0}
+    first_grpo = run.replace(train=train, step=run.step + exp.config.sft.steps)
+    _, metrics = exp.grpo_iteration(first_grpo)
+    assert "self_imitation/rows" in metrics

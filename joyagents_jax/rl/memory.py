@@ -1,6 +1,7 @@
 """Adaptive memory evolution: a device-resident table per agent, fed by GRPO rewards.
 
-Each agent keeps a fixed-capacity table of (key, request, response, reward, step, hits). Keys are
+Each agent keeps a fixed-capacity table of (key, request, prompt, response, reward, step, hits).
+The prompt is the node's whole hint-free input, what self-imitation trains on. Keys are
 mean-pooled final hidden states of the agent's frozen reference policy over the node's prompt
 (rendered without a hint), L2-normalized, so they stay stable while the policies move.
 
@@ -17,7 +18,7 @@ mean-pooled final hidden states of the agent's frozen reference policy over the 
 
 The tables live in the run state (`RunState.memory`); `memory_hook` connects them to rollouts.
 Shape letters: A agents, C capacity, d key size, L response tokens, Lq request tokens,
-N candidates, M hit records, B queries, T prompt tokens.
+P stored prompt tokens, N candidates, M hit records, B queries, T prompt tokens.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class MemoryConfig:
     capacity: int = 256  # C entries per agent
     response_length: int = 64  # L: longer responses are never stored (Limits.max_tokens_per_node)
     request_length: int = 128  # Lq: the node's (sub-)query tokens kept for hints (cut beyond)
+    prompt_length: int = 511  # P: the node's prompt tokens kept (the run's max_len - 1)
     # Mean-pooled keys of one agent's prompts are close (shared system prompt): a random tiny
     # model already puts different requests at cosine 0.7-0.995, so the thresholds sit high.
     tau_reuse: float = 0.999
@@ -59,7 +61,8 @@ class MemoryConfig:
     embed_batch: int = 32  # rows per embedding call
 
     def __post_init__(self):
-        for name in ("capacity", "response_length", "request_length", "embed_batch"):
+        for name in ("capacity", "response_length", "request_length", "prompt_length",
+                     "embed_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"MemoryConfig.{name} must be >= 1, got {getattr(self, name)}.")
         if not self.decay_steps > 0:
@@ -82,6 +85,8 @@ class MemoryTable:
     length: jax.Array  # [C] int32
     request: jax.Array  # [C, Lq] int32, the node's (sub-)query
     request_length: jax.Array  # [C] int32
+    prompt: jax.Array  # [C, P] int32, the node's hint-free prompt
+    prompt_length: jax.Array  # [C] int32, its full length (longer than P: cut)
     reward: jax.Array  # [C] f32, R_A + R_F of the episode that wrote it
     step: jax.Array  # [C] int32, step of the last write
     hits: jax.Array  # [C] int32, reuses since the last write
@@ -98,6 +103,8 @@ class Candidates:
     length: jax.Array  # [N] int32, the full response length (may exceed L)
     request: jax.Array  # [N, Lq] int32
     request_length: jax.Array  # [N] int32
+    prompt: jax.Array  # [N, P] int32
+    prompt_length: jax.Array  # [N] int32, the full prompt length (may exceed P)
     reward: jax.Array  # [N] f32, R_A + R_F
     valid: jax.Array  # [N] bool
 
@@ -124,7 +131,8 @@ def init_table(cfg: MemoryConfig, d: int) -> MemoryTable:
     zeros = lambda *shape, dtype=jnp.int32: jnp.zeros(shape, dtype)
     return MemoryTable(key=zeros(c, d, dtype=jnp.float32), response=zeros(c, cfg.response_length),
                        length=zeros(c), request=zeros(c, cfg.request_length),
-                       request_length=zeros(c), reward=zeros(c, dtype=jnp.float32), step=zeros(c),
+                       request_length=zeros(c), prompt=zeros(c, cfg.prompt_length),
+                       prompt_length=zeros(c), reward=zeros(c, dtype=jnp.float32), step=zeros(c),
                        hits=zeros(c), valid=zeros(c, dtype=bool))
 
 
@@ -234,6 +242,8 @@ def _write(table: MemoryTable, slot: jax.Array, cand: Candidates, step: jax.Arra
         key=put(table.key, cand.key), response=put(table.response, cand.response),
         length=put(table.length, cand.length), request=put(table.request, cand.request),
         request_length=put(table.request_length, cand.request_length),
+        prompt=put(table.prompt, cand.prompt),
+        prompt_length=put(table.prompt_length, cand.prompt_length),
         reward=put(table.reward, cand.reward), step=put(table.step, step),
         hits=put(table.hits, 0), valid=put(table.valid, True))
 

@@ -255,10 +255,11 @@ def _candidates(ctx: Context, model: GroupModel, agent: int, members: list) -> m
     response, length = _right_pad([s.output_ids for _, s in members], n, cfg.response_length)
     request, request_length = _right_pad(
         [ctx.tokenizer.encode(node.query) for node, _ in members], n, cfg.request_length)
+    prompt, prompt_length = _right_pad(prompts, n, cfg.prompt_length)
     return mem.Candidates(key=keys[[unique[p] for p in prompts]],
                           response=response, length=length, request=request,
                           request_length=np.minimum(request_length, cfg.request_length),
-                          **_finite_rewards(rewards))
+                          prompt=prompt, prompt_length=prompt_length, **_finite_rewards(rewards))
 
 
 def _right_pad(rows: Sequence[Sequence[int]], n: int, width: int) -> tuple[np.ndarray, np.ndarray]:

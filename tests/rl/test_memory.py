@@ -16,13 +16,14 @@ from joyagents_jax import config as config_lib
 from joyagents_jax.agents import protocol, system
 from joyagents_jax.data import assistant_suite as suite
 from joyagents_jax.models import qwen2
-from joyagents_jax.rl import memory, memory_hook, rollout
+from joyagents_jax.rl import memory, memory_hook, rollout, self_imitation
 from joyagents_jax.tokenizers import ByteTokenizer
 from tests.rl.test_rollout import ScriptedPolicy, gold_script
 
 TOK = ByteTokenizer()
 D = 8
-CFG = memory.MemoryConfig(capacity=4, response_length=6, request_length=5, decay_steps=10.0)
+CFG = memory.MemoryConfig(capacity=4, response_length=6, request_length=5, prompt_length=7,
+                          decay_steps=10.0)
 LOW = 0.1  # filler reward: fillers are real samples (they set mu and sigma) that never enter
 
 
@@ -47,6 +48,8 @@ def batch(rows, fillers=15, length=3):
         length=np.full(n, length, np.int32),
         request=np.tile(np.arange(CFG.request_length, dtype=np.int32), (n, 1)),
         request_length=np.full(n, 2, np.int32),
+        prompt=np.array([[t + 1] * CFG.prompt_length for t in token], np.int32),
+        prompt_length=np.full(n, 4, np.int32),
         reward=np.array([r[1] for r in rows], np.float32), valid=np.ones(n, bool))
 
 
@@ -132,7 +135,9 @@ def test_insert_into_an_empty_slot():
     assert np.asarray(table.valid).tolist() == [True, False, False, False]
     np.testing.assert_array_equal(table.key[0], E[0])
     np.testing.assert_array_equal(table.response[0], [10] * 6)
-    assert (int(table.length[0]), int(table.request_length[0]), int(table.step[0])) == (3, 2, 3)
+    np.testing.assert_array_equal(table.prompt[0], [11] * 7)
+    assert (int(table.length[0]), int(table.request_length[0]), int(table.prompt_length[0]),
+            int(table.step[0])) == (3, 2, 4, 3)
     assert float(table.reward[0]) == np.float32(1.1)
 
 
@@ -296,10 +301,12 @@ def test_tables_follow_the_run_config():
     ref = jax.tree.map(lambda x: jnp.zeros((2, *x.shape), x.dtype), qwen2.param_shapes(model))
     config = config_lib.get_config()
     config.memory.update(capacity=5, response_len=7, request_len=3, z=1.5)
+    config.max_len = 20
     cfg = components.build(config).memory
-    assert (cfg.capacity, cfg.response_length, cfg.z) == (5, 7, 1.5)
+    assert (cfg.capacity, cfg.response_length, cfg.z, cfg.prompt_length) == (5, 7, 1.5, 19)
     tables = memory_hook.init_tables(cfg, {"g": memory_hook.GroupModel(model, ref)})
     assert tables["g"].key.shape == (2, 5, 8) and tables["g"].request.shape == (2, 5, 3)
+    assert tables["g"].prompt.shape == (2, 5, 19)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -340,6 +347,14 @@ def test_repeated_rewarded_query_is_answered_from_memory(monkeypatch):
     assert float(first.rewards[0].total) > float(first.rewards[1].total)
     tables, m = memory_hook.update(ctx, tables, models, first, step=1)
     assert m["entries"] == k and m["inserts"] == k and m["llm_calls_saved"] == 0
+    # Each entry keeps its node's whole hint-free prompt beside the output: what
+    # self-imitation replays, here every node of the rewarded episode.
+    trace = first.episodes[0]
+    demos = self_imitation.draw(memory.agent_tables(jax.device_get(tables), slots), sys_.agents,
+                                k, float(first.rewards[0].memory_reward), 10_000,
+                                np.random.default_rng(0))
+    assert sorted((a, p, TOK.decode(o)) for a, p, o in demos) == sorted(
+        (n.agent, list(i.prompt_ids), n.output) for i, n in zip(trace.inputs, trace.episode.nodes))
 
     before = leaves(tables)
     second = run([good], tables)
