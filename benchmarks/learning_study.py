@@ -86,6 +86,8 @@ VARIANTS = {
                         {"grpo.w_grounding": 0.2, "grpo.grounding_match": "chars"}),
     "self_imitation": ("the default with a supervised step on 8 best memory entries per agent "
                        "after each GRPO step", {"grpo.self_imitation": 8}),
+    "subagent_credit": ("the default, a sub-agent's nodes scored by its own answer against the "
+                        "gold trajectory's", {"grpo.subagent_credit": True}),
     "no_std": ("the default with Dr. GRPO's advantages (r - group mean, not divided by the std)",
                {"grpo.advantage": "no_std"}),
     "neg_0.25": ("the default with negative advantages scaled by 0.25 (leaning on the samples "

@@ -81,7 +81,9 @@ def build(c: ml_collections.ConfigDict) -> Components:
                                                            and g.mode == "nodewise"),
                                       suffix_credit=suffix_credit(c),
                                       greedy_completions=bool(g.greedy_completions
-                                                              and g.mode == "nodewise")),
+                                                              and g.mode == "nodewise"),
+                                      subagent_credit=bool(g.subagent_credit
+                                                           and g.mode == "nodewise")),
         sampling=SamplingConfig(c.limits.max_tokens_per_node, temperature=g.temperature,
                                 top_k=g.top_k, top_p=g.top_p),
         limits=system.Limits(**c.limits),

@@ -21,7 +21,7 @@ CHANGED = {
     "grpo.w_format": 0.2, "grpo.w_efficiency": 0.1, "grpo.w_grounding": 0.3,
     "grpo.grounding_match": "chars", "grpo.memory_branches": False, "grpo.neg_weight": 0.5,
     "grpo.gold_branches": True, "grpo.share_identical": False,
-    "grpo.suffix_credit": True, "grpo.greedy_completions": True,
+    "grpo.suffix_credit": True, "grpo.greedy_completions": True, "grpo.subagent_credit": True,
     "memory.capacity": 7, "memory.response_len": 5, "memory.request_len": 6,
     "memory.tau_reuse": 0.99999, "memory.tau_hint": 0.999, "memory.hints": True, "memory.reuse": False,
     "memory.reuse_min_reward": 0.5, "memory.tau_dup": 0.93, "memory.z": 1.5,
@@ -84,10 +84,11 @@ def test_memory_branches_only_where_rollouts_read_the_memory(key, value):
 
 
 @pytest.mark.parametrize("mode", ["trajectory", "full_tree"])
-@pytest.mark.parametrize("switch", ["share_identical", "greedy_completions"])
+@pytest.mark.parametrize("switch", ["share_identical", "greedy_completions", "subagent_credit"])
 def test_node_group_switches_only_in_nodewise_rollouts(mode, switch):
-    """share_identical (on by default) and greedy_completions are no-ops, not errors, where
-    rollouts form no node groups: `--config.grpo.mode=trajectory` alone is a valid ablation."""
+    """share_identical (on by default), greedy_completions and subagent_credit are no-ops, not
+    errors, where rollouts form no node groups: `--config.grpo.mode=trajectory` alone is a
+    valid ablation."""
     c = config_lib.get_config()
     c.grpo[switch] = True
     assert getattr(components.build(c).rollout, switch)

@@ -28,8 +28,9 @@ from typing import Literal, NamedTuple, Protocol
 import numpy as np
 
 from joyagents_jax.agents import protocol
-from joyagents_jax.agents.system import AgentSystem, Episode, Request
+from joyagents_jax.agents.system import AgentSystem, Episode, Request, demonstration
 from joyagents_jax.rl import rewards as rw
+from joyagents_jax.rl import sub_credit
 
 Mode = Literal["nodewise", "trajectory", "full_tree"]
 
@@ -64,10 +65,15 @@ class RolloutConfig:
     # A node group then compares the greedy output with sampled ones, each scored by the greedy
     # policy's continuation, so its rewards carry no noise from later nodes' sampling.
     greedy_completions: bool = False
+    # nodewise: R_A of a sub-agent's node is its call's own answer checked against the gold
+    # trajectory's (`sub_credit`), so a node group tells a sub-agent's right answer from a wrong
+    # one the master repaired. Needs `Task.gold`; calls without a gold counterpart keep the
+    # episode's R_A.
+    subagent_credit: bool = False
 
     def __post_init__(self):
         for name in ("memory_branches", "gold_branches", "share_identical", "suffix_credit",
-                     "greedy_completions"):
+                     "greedy_completions", "subagent_credit"):
             if getattr(self, name) and self.mode != "nodewise":
                 raise ValueError(f"rollout.{name} needs mode nodewise, got {self.mode!r}.")
         if self.mode not in ("nodewise", "trajectory", "full_tree"):
@@ -340,8 +346,15 @@ class Rollout:
         self._complete(to_complete, counters, greedy)
 
         samples, suffixes = [], {}  # suffixes: (query, agent) -> its suffix group id
+        gold = {}  # query -> its gold trajectory's nodes (subagent_credit)
         for group, (q, i, members, scored_by) in enumerate(groups):
             parts = {s: self._reward(members[s], tasks[q]) for s in set(scored_by)}
+            if self.cfg.subagent_credit and members[0].episode.nodes[i].agent != protocol.MASTER:
+                if q not in gold:
+                    gold[q] = demonstration(self.system, tasks[q].query, tasks[q].gold).nodes
+                parts = {s: sub_credit.credited(p, sub_credit.node_scores(
+                    members[s].episode.nodes, gold[q], self.cfg.rewards).get(i))
+                    for s, p in parts.items()}
             uses_memory = any(n.from_memory for m in set(scored_by)
                               for n in members[m].episode.nodes)
             adv = (episode_advantages(np.array([float(parts[s].total) for s in scored_by]))

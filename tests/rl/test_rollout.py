@@ -312,6 +312,38 @@ def test_gold_branches_add_the_gold_output_where_the_rollout_leaves_gold(example
         [g] * len(plain.episodes[0].episode.nodes)
 
 
+@pytest.mark.parametrize("credit", [False, True])
+def test_subagent_credit_scores_the_sub_agent_by_its_own_answer(examples, sys_, credit):
+    """The master repairs the efc agent's wrong alternative: the episode's reward cannot tell
+    it from the right one, the sub-agent's own answer can (node group and memory reward); the
+    master's node groups are scored as before."""
+    ex = examples["efc"]  # master call, efc answer, master answer
+    outputs = [n.output for n in ex.gold]
+    gold = gold_script([ex])
+
+    def script(node_input, j, group_size):
+        if node_input.agent == "efc" and group_size > 1 and j == 1:
+            return "<answer>wrong</answer>"
+        out = gold(node_input, j, group_size)
+        return outputs[-1] if node_input.agent == protocol.MASTER and out == "<answer>?</answer>" \
+            else out
+    g = 3
+    task = _task(ex)._replace(gold=tuple(outputs))
+    cfg = rollout.RolloutConfig("nodewise", g, subagent_credit=credit)
+    result = rollout.Rollout(sys_, TOK, ScriptedPolicy(script), cfg).run([task])
+    best = cfg.rewards.best_memory_reward
+    by_node = collections.defaultdict(list)
+    for s in result.samples:
+        by_node[s.node].append((TOK.decode(s.output_ids.tolist()), s.reward, s.memory_reward))
+    assert [(o, r) for o, r, _ in by_node[1]] == [
+        (outputs[1], pytest.approx(best)), (outputs[1], pytest.approx(best)),
+        ("<answer>wrong</answer>", pytest.approx(best - 1.0 if credit else best))]
+    assert by_node[1][-1][2] == pytest.approx(best - 1.0 if credit else best)
+    assert all(r == pytest.approx(best) for i in (0, 2) for _, r, _ in by_node[i])
+    no_gold = rollout.Rollout(sys_, TOK, ScriptedPolicy(script), cfg).run([_task(ex)])
+    assert all(s.reward == pytest.approx(best) for s in no_gold.samples)
+
+
 def test_full_tree_counts_the_product(examples, sys_):
     ex = examples["qa"]  # 4 LLM nodes
     g = 2
@@ -368,6 +400,8 @@ def test_config_errors():
         rollout.RolloutConfig("trajectory", 2, share_identical=True)
     with pytest.raises(ValueError, match="greedy_completions needs mode nodewise"):
         rollout.RolloutConfig("trajectory", 2, greedy_completions=True)
+    with pytest.raises(ValueError, match="subagent_credit needs mode nodewise"):
+        rollout.RolloutConfig("trajectory", 2, subagent_credit=True)
 
 
 TINY_POLICY = qwen2.Qwen2Config(vocab_size=TOK.vocab_size, hidden_size=32, intermediate_size=64,
