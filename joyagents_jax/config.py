@@ -140,10 +140,11 @@ def get_config() -> ml_collections.ConfigDict:
     # mode, memory.enabled or memory.in_rollouts False).
     # subagent_credit: R_A of a sub-agent's node is its call's own answer checked against the
     # gold trajectory's (False: the episode's R_A), so node groups see a sub-agent error the
-    # master repairs. It fixed the repaired error it targets (efc-0001 on the Intel host's seed
-    # 2), but on 3 seeds at the default's sampler tokens the policies alone ended 0.620 / 0.525 /
-    # 0.580 against the default's 0.620 / 0.540 / 0.590 (benchmarks/RESULTS.md, "The master's
-    # repairs hide the sub-agents' errors"). No effect outside node-wise mode.
+    # master repairs. It corrected such an error within 6 steps (efc-0001 on the Intel host's
+    # seed 2; a later step broke the question in both agents), but on 3 seeds at the default's
+    # sampler tokens the policies alone ended 0.620 / 0.525 / 0.580 against the default's
+    # 0.620 / 0.540 / 0.590 (benchmarks/RESULTS.md, "The master's repairs hide the sub-agents'
+    # errors"). No effect outside node-wise mode.
     # neg_weight scales negative advantages (1: GRPO; 0: only samples that beat their group's
     # mean are reinforced). 0.25 moved the policies alone less than 1 on 3 seeds (+0.7 against
     # +2.3 points; benchmarks/RESULTS.md, "down-weighted negatives"). gold_branches: where a
