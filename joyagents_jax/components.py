@@ -53,6 +53,13 @@ def suffix_credit(c: ml_collections.ConfigDict) -> bool:
     return bool(c.grpo.suffix_credit and c.grpo.mode == "nodewise")
 
 
+def branch_agents(c: ml_collections.ConfigDict) -> tuple[str, ...]:
+    """grpo.branch_agents as a tuple where it applies: node-wise rollouts (trajectory GRPO and
+    full trees have no node groups to leave out); empty means every agent."""
+    listed = tuple(a for a in c.grpo.branch_agents.split(",") if a)
+    return listed if c.grpo.mode == "nodewise" else ()
+
+
 def build(c: ml_collections.ConfigDict) -> Components:
     s, g = c.sft, c.grpo
     rewards = rw.RewardConfig(w_format=g.w_format, w_efficiency=g.w_efficiency,
@@ -83,7 +90,8 @@ def build(c: ml_collections.ConfigDict) -> Components:
                                       greedy_completions=bool(g.greedy_completions
                                                               and g.mode == "nodewise"),
                                       subagent_credit=bool(g.subagent_credit
-                                                           and g.mode == "nodewise")),
+                                                           and g.mode == "nodewise"),
+                                      branch_agents=branch_agents(c)),
         sampling=SamplingConfig(c.limits.max_tokens_per_node, temperature=g.temperature,
                                 top_k=g.top_k, top_p=g.top_p),
         limits=system.Limits(**c.limits),

@@ -145,6 +145,14 @@ def get_config() -> ml_collections.ConfigDict:
     # sampler tokens the policies alone ended 0.620 / 0.525 / 0.580 against the default's
     # 0.620 / 0.540 / 0.590 (benchmarks/RESULTS.md, "The master's repairs hide the sub-agents'
     # errors"). No effect outside node-wise mode.
+    # branch_agents: a comma list of config.agents whose nodes node-wise rollouts branch at
+    # (G_i = group_size there); the others keep tau0's output (G_i = 1), sample no alternatives
+    # and train nothing in GRPO ("": every agent, the paper's node-wise sampling). The master's
+    # node groups are a third of a step's sampler tokens and its updates did not move the
+    # policies alone (frozen: 0.587 on the mean of the Intel host's 3 seeds, the default
+    # 0.583); "qa,efc,gfc,math" spent those tokens on 42-44 steps instead of 30 and ended 0.645
+    # / 0.570 / 0.625 alone against 0.620 / 0.540 / 0.590 (benchmarks/RESULTS.md, "Node groups
+    # at the sub-agents' nodes only"). No effect outside node-wise mode.
     # neg_weight scales negative advantages (1: GRPO; 0: only samples that beat their group's
     # mean are reinforced). 0.25 moved the policies alone less than 1 on 3 seeds (+0.7 against
     # +2.3 points; benchmarks/RESULTS.md, "down-weighted negatives"). gold_branches: where a
@@ -171,7 +179,7 @@ def get_config() -> ml_collections.ConfigDict:
         w_grounding=0.0, min_groups=0, max_refills=2, query_order="traffic",
         grounding_match="word", memory_branches=True, neg_weight=1.0, gold_branches=False,
         share_identical=True, suffix_credit=False, greedy_completions=False, self_imitation=0,
-        subagent_credit=False))
+        subagent_credit=False, branch_agents=""))
 
     # Reuse needs a (near-)identical node input: with mean-pooled embeddings of a tiny model,
     # different prompts of one agent reach cosine 0.9996 (measured). Hints are off by default

@@ -22,6 +22,7 @@ CHANGED = {
     "grpo.grounding_match": "chars", "grpo.memory_branches": False, "grpo.neg_weight": 0.5,
     "grpo.gold_branches": True, "grpo.share_identical": False,
     "grpo.suffix_credit": True, "grpo.greedy_completions": True, "grpo.subagent_credit": True,
+    "grpo.branch_agents": "qa,math",
     "memory.capacity": 7, "memory.response_len": 5, "memory.request_len": 6,
     "memory.tau_reuse": 0.99999, "memory.tau_hint": 0.999, "memory.hints": True, "memory.reuse": False,
     "memory.reuse_min_reward": 0.5, "memory.tau_dup": 0.93, "memory.z": 1.5,
@@ -94,6 +95,17 @@ def test_node_group_switches_only_in_nodewise_rollouts(mode, switch):
     assert getattr(components.build(c).rollout, switch)
     c.grpo.mode = mode
     assert not getattr(components.build(c).rollout, switch)
+    assert config_checks.problems(c) == []
+
+
+@pytest.mark.parametrize("mode", ["trajectory", "full_tree"])
+def test_branch_agents_only_in_nodewise_rollouts(mode):
+    """grpo.branch_agents is a no-op outside node-wise rollouts, like the switches above."""
+    c = config_lib.get_config()
+    c.grpo.branch_agents = "qa,efc,gfc,math"
+    assert components.build(c).rollout.branch_agents == ("qa", "efc", "gfc", "math")
+    c.grpo.mode = mode
+    assert components.build(c).rollout.branch_agents == ()
     assert config_checks.problems(c) == []
 
 

@@ -39,6 +39,8 @@ def test_the_default_and_real_checkpoint_configs_are_valid(tmp_path):
     ({"lora__targets": "qkv"}, "config.lora.targets='qkv': must be a regex matching the whole"),
     ({"lora__targets": "(q"}, "config.lora.targets='(q': must be a regex"),
     ({"lora__groups": "all,subs"}, "config.lora.groups='all,subs': no agent group named ['subs']"),
+    ({"grpo__branch_agents": "qa,router"},
+     "config.grpo.branch_agents='qa,router': no agent named ['router']"),
     ({"grpo__aggregation": "bogus"}, "config.grpo.aggregation='bogus': not one of token_mean"),
     ({"grpo__advantage": "bogus"}, "config.grpo.advantage='bogus': not one of std"),
     ({"grpo__optimizer": "adam"}, "config.grpo.optimizer='adam': not one of adamw, sgd"),

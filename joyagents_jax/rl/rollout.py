@@ -70,10 +70,14 @@ class RolloutConfig:
     # one the master repaired. Needs `Task.gold`; calls without a gold counterpart keep the
     # episode's R_A.
     subagent_credit: bool = False
+    # nodewise: the agents whose nodes get node groups; an agent not listed keeps tau0's output
+    # at its nodes, samples no alternatives there and trains nothing (empty: every agent, the
+    # paper's node-wise sampling).
+    branch_agents: tuple[str, ...] = ()
 
     def __post_init__(self):
         for name in ("memory_branches", "gold_branches", "share_identical", "suffix_credit",
-                     "greedy_completions", "subagent_credit"):
+                     "greedy_completions", "subagent_credit", "branch_agents"):
             if getattr(self, name) and self.mode != "nodewise":
                 raise ValueError(f"rollout.{name} needs mode nodewise, got {self.mode!r}.")
         if self.mode not in ("nodewise", "trajectory", "full_tree"):
@@ -321,7 +325,8 @@ class Rollout:
         tau0 = [Trace(Episode(self.system, t.query)) for t in tasks]
         self._complete(tau0, counters, greedy)
         points = [(q, i) for q, t in enumerate(tau0) for i, n in enumerate(t.episode.nodes)
-                  if self.cfg.memory_branches or not n.from_memory]
+                  if (self.cfg.memory_branches or not n.from_memory)
+                  and (not self.cfg.branch_agents or n.agent in self.cfg.branch_agents)]
         g = self.cfg.group_size
         alternatives = self._sample([tau0[q].inputs[i] for q, i in points], g - 1, counters)
         groups, to_complete = [], []

@@ -344,6 +344,36 @@ def test_subagent_credit_scores_the_sub_agent_by_its_own_answer(examples, sys_, 
     assert all(s.reward == pytest.approx(best) for s in no_gold.samples)
 
 
+def test_branch_agents_leave_unlisted_agents_without_node_groups(examples, sys_):
+    """branch_agents: only the listed agents' nodes of tau0 get node groups; the others (the
+    master, gfc) keep tau0's outputs, sample no alternatives and train nothing; the listed
+    agents' groups are those branching at every agent forms (same members, rewards, order)."""
+    exs = [examples["math"], examples["cooperation"], examples["qa"]]
+    gold = gold_script(exs)
+    listed = ("qa", "math")
+
+    def script(node_input, j, group_size):
+        out = gold(node_input, j, group_size)
+        wrong = group_size > 1 and j == 1 and out.startswith("<answer>")
+        return "<answer>wrong</answer>" if wrong else out
+    g = 3
+    tasks = [_task(e) for e in exs]
+    every = rollout.Rollout(sys_, TOK, ScriptedPolicy(script),
+                            rollout.RolloutConfig("nodewise", g)).run(tasks)
+    subs = rollout.Rollout(sys_, TOK, ScriptedPolicy(script),
+                           rollout.RolloutConfig("nodewise", g, branch_agents=listed)).run(tasks)
+    key = lambda s: (s.query, s.node, s.agent, tuple(s.prompt_ids), tuple(s.output_ids),
+                     s.reward)
+    assert {s.agent for s in every.samples} == {protocol.MASTER, "gfc", *listed}
+    assert [key(s) for s in subs.samples] == [key(s) for s in every.samples
+                                              if s.agent in listed]
+    assert {s.agent for s in subs.samples} == set(listed)
+    branched = sum(n.agent in listed for t in subs.episodes for n in t.episode.nodes)
+    assert len({s.group for s in subs.samples}) == branched
+    assert subs.counters.alternatives == g * branched < every.counters.alternatives
+    assert any(s.reward < 1.0 for s in subs.samples)  # the groups keep their reward spread
+
+
 def test_full_tree_counts_the_product(examples, sys_):
     ex = examples["qa"]  # 4 LLM nodes
     g = 2
@@ -402,6 +432,8 @@ def test_config_errors():
         rollout.RolloutConfig("trajectory", 2, greedy_completions=True)
     with pytest.raises(ValueError, match="subagent_credit needs mode nodewise"):
         rollout.RolloutConfig("trajectory", 2, subagent_credit=True)
+    with pytest.raises(ValueError, match="branch_agents needs mode nodewise"):
+        rollout.RolloutConfig("full_tree", 2, branch_agents=("qa",))
 
 
 TINY_POLICY = qwen2.Qwen2Config(vocab_size=TOK.vocab_size, hidden_size=32, intermediate_size=64,
