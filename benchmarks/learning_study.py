@@ -88,9 +88,12 @@ VARIANTS = {
                        "after each GRPO step", {"grpo.self_imitation": 8}),
     "subagent_credit": ("the default, a sub-agent's nodes scored by its own answer against the "
                         "gold trajectory's", {"grpo.subagent_credit": True}),
-    "sub_branches": ("the default, node groups at the sub-agents' nodes only (the master keeps "
-                     "tau0's outputs and trains nothing)",
+    "sub_branches": ("node groups at the sub-agents' nodes only (the master keeps tau0's "
+                     "outputs and trains nothing): the default since 2026-12-02, named so that "
+                     "records of the previous default stay apart",
                      {"grpo.branch_agents": "qa,efc,gfc,math"}),
+    "all_branches": ("the default with node groups at every agent's nodes (the default until "
+                     "2026-12-02)", {"grpo.branch_agents": ""}),
     "no_std": ("the default with Dr. GRPO's advantages (r - group mean, not divided by the std)",
                {"grpo.advantage": "no_std"}),
     "neg_0.25": ("the default with negative advantages scaled by 0.25 (leaning on the samples "

@@ -86,11 +86,13 @@ def get_config() -> ml_collections.ConfigDict:
     c.lora = ml_collections.ConfigDict(dict(rank=0, alpha=16.0, targets="q|k|v|o|gate|up|down",
                                             groups=""))
 
-    # JoyAgents-R1: node-wise sampling (at the memory's nodes too: memory_branches), every node
-    # group with a reward spread (topk=0; K > 0 keeps the top K by reward variance), 36 queries
-    # per step, learning rate 3e-5. With 12 queries and K=5 a step trained 3-4 node groups, and
-    # the policies alone ended +2.0 / -0.5 / +2.0 test points over SFT on 3 seeds (0.650 with
-    # the memory); with 36 queries and every informative group (0-39 per step) +2.5 / +8.0 /
+    # JoyAgents-R1: node-wise sampling at the sub-agents' nodes (branch_agents; at the
+    # memory's nodes too: memory_branches), every node group with a reward spread (topk=0; K > 0
+    # keeps the top K by reward variance), 36 queries per step, learning rate 3e-5, 44 steps
+    # (the sampler tokens that 30 steps branching at every agent's nodes spent on seed 0).
+    # With 12 queries and K=5 a step trained 3-4 node groups, and the policies alone ended
+    # +2.0 / -0.5 / +2.0 test points over SFT on 3 seeds (0.650 with the memory); with 36
+    # queries and every informative group (0-39 per step) +2.5 / +8.0 /
     # +2.0 (0.668 with the memory), for ~1.7x the GRPO phase's time (benchmarks/RESULTS.md,
     # "Three times the queries"); 5e-5 there: +2.5 / -1.0 / -2.5. At 12 queries,
     # 5e-5 cost the policies alone 2.7 points on 3 seeds (two agents stopped copying their
@@ -146,13 +148,16 @@ def get_config() -> ml_collections.ConfigDict:
     # 0.620 / 0.540 / 0.590 (benchmarks/RESULTS.md, "The master's repairs hide the sub-agents'
     # errors"). No effect outside node-wise mode.
     # branch_agents: a comma list of config.agents whose nodes node-wise rollouts branch at
-    # (G_i = group_size there); the others keep tau0's output (G_i = 1), sample no alternatives
-    # and train nothing in GRPO ("": every agent, the paper's node-wise sampling). The master's
-    # node groups are a third of a step's sampler tokens and its updates did not move the
-    # policies alone (frozen: 0.587 on the mean of the Intel host's 3 seeds, the default
-    # 0.583); "qa,efc,gfc,math" spent those tokens on 42-44 steps instead of 30 and ended 0.645
-    # / 0.570 / 0.625 alone against 0.620 / 0.540 / 0.590 (benchmarks/RESULTS.md, "Node groups
-    # at the sub-agents' nodes only"). No effect outside node-wise mode.
+    # (G_i = group_size there); the others keep tau0's output (G_i = 1), sample no alternatives,
+    # train nothing in GRPO and write no memory entries ("": every agent, the paper's joint
+    # node-wise sampling, the default until 2026-12-02 with 30 steps). The master's node groups
+    # take ~30% of a step's sampler tokens, and freezing its GRPO updates left the policies
+    # alone where they were (0.587 on the mean of the Intel host's 3 seeds, against 0.583); the
+    # sub-agents alone spend those tokens on 42-44 steps instead of 30: 0.645 / 0.570 / 0.625
+    # alone against 0.620 / 0.540 / 0.590 (30 / 12 test queries, sign test p 0.008), 0.675 /
+    # 0.595 / 0.675 with the memory against 0.710 / 0.595 / 0.655, calls falling as far
+    # (benchmarks/RESULTS.md, "Node groups at the sub-agents' nodes only: the new default").
+    # No effect outside node-wise mode.
     # neg_weight scales negative advantages (1: GRPO; 0: only samples that beat their group's
     # mean are reinforced). 0.25 moved the policies alone less than 1 on 3 seeds (+0.7 against
     # +2.3 points; benchmarks/RESULTS.md, "down-weighted negatives"). gold_branches: where a
@@ -171,7 +176,7 @@ def get_config() -> ml_collections.ConfigDict:
     # default's 0.620 / 0.540 and trajectory GRPO's 0.620 / 0.570 (benchmarks/RESULTS.md,
     # "Self-imitation in the package").
     c.grpo = ml_collections.ConfigDict(dict(
-        steps=30, queries=36, group_size=4, mode="nodewise", topk=0, select="groups",
+        steps=44, queries=36, group_size=4, mode="nodewise", topk=0, select="groups",
         micro_batch=16, inner_steps=2, beta=0.04, eps_low=0.2, eps_high=0.28, kl="k3",
         aggregation="seq_mean_token_mean", advantage="std", optimizer="adamw",
         learning_rate=3e-5, warmup_steps=0, clip_norm=1.0, temperature=0.3, tempered_loss=False,
@@ -179,7 +184,7 @@ def get_config() -> ml_collections.ConfigDict:
         w_grounding=0.0, min_groups=0, max_refills=2, query_order="traffic",
         grounding_match="word", memory_branches=True, neg_weight=1.0, gold_branches=False,
         share_identical=True, suffix_credit=False, greedy_completions=False, self_imitation=0,
-        subagent_credit=False, branch_agents=""))
+        subagent_credit=False, branch_agents="qa,efc,gfc,math"))
 
     # Reuse needs a (near-)identical node input: with mean-pooled embeddings of a tiny model,
     # different prompts of one agent reach cosine 0.9996 (measured). Hints are off by default
@@ -227,6 +232,7 @@ def real_checkpoint_config(groups: dict[str, tuple[tuple[str, ...], str]]
                  warmup_steps=20, demo_redundant_call=0.0)  # gold demonstrations
     c.grpo.update(steps=300, queries=32, group_size=8, learning_rate=1e-6, warmup_steps=10,
                   topk=16, temperature=0.7)  # 0.3 is for the tiny default's weak samples
+    c.grpo.branch_agents = ""  # every agent evolves, as in the paper (sub-agents only: tiny)
     c.memory.update(capacity=4096, response_len=256, request_len=256)
     c.eval.update(sft_every=50, grpo_every=50, examples=500)
     c.checkpoint.update(every=25, keep=3)

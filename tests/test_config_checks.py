@@ -105,6 +105,21 @@ def test_each_mistake_is_one_line_naming_the_key(overrides, fragment):
         config_checks.validate(_with(**overrides))
 
 
+def test_branch_agents_must_list_an_agent_of_the_config():
+    """The default branches at the sub-agents' nodes: a master-only config would form no node
+    group and train nothing, which is refused; listing every agent ("") is valid."""
+    c = _with(agents=("master",), groups__all__agents=("master",), dataset="gsm8k")
+    found = [p for p in config_checks.problems(c) if "branch_agents" in p]
+    assert found == ["config.grpo.branch_agents='qa,efc,gfc,math': lists none of config.agents "
+                     "(master), so no node group forms and GRPO trains nothing; list some of "
+                     "them, or leave it empty to branch at every agent's nodes."]
+    c.grpo.branch_agents = ""
+    assert not [p for p in config_checks.problems(c) if "branch_agents" in p]
+    c.grpo.mode = "trajectory"  # no node groups anyway: the list does not apply
+    c.grpo.branch_agents = "qa"
+    assert not [p for p in config_checks.problems(c) if "branch_agents" in p]
+
+
 def test_every_mistake_is_reported_at_once():
     c = _with(grpo__kl="k9", sft__learning_rate=math.nan, eval__sft_every=-1, memory__capacity=0)
     message = str(pytest.raises(config_checks.ConfigError, config_checks.validate, c).value)

@@ -12,8 +12,8 @@ from joyagents_jax.rl import rollout
 pytestmark = pytest.mark.slow
 
 # A short shared SFT on gold demonstrations at the former max_len (the policies emit the protocol
-# but rarely a right answer), then full-temperature GRPO on 8 fixed queries, every node group
-# kept, no memory.
+# but rarely a right answer), then full-temperature GRPO on 8 fixed queries, every agent's node
+# groups formed and kept, no memory.
 # The measure is what GRPO maximizes: the mean reward of SAMPLES per query at the rollout
 # temperature (128 episodes). The greedy reward is too coarse to carry the assertion: without a
 # right answer it tops out at the format reward 0.1 per query, and SFT alone reaches 0.025-0.075
@@ -26,7 +26,7 @@ SFT_STEPS, GRPO_STEPS, SAMPLES = 150, 12, 16
 OVERRIDES = {"suite": "tiny", "sft.steps": SFT_STEPS, "sft.shared_steps": SFT_STEPS,
              "sft.batch_per_agent": 4, "sft.warmup_steps": 10, "grpo.steps": GRPO_STEPS,
              "grpo.queries": 8, "grpo.group_size": 4, "grpo.topk": 0, "grpo.learning_rate": 1e-3,
-             "grpo.temperature": 1.0, "memory.enabled": False,
+             "grpo.temperature": 1.0, "grpo.branch_agents": "", "memory.enabled": False,
              "limits.max_tokens_per_node": 48, "sft.demo_redundant_call": 0.0, "max_len": 384}
 
 

@@ -66,7 +66,7 @@ def test_other_settings_resume_with_a_warning(tmp_path, caplog):
     c.grpo.steps = 90
     with caplog.at_level(logging.WARNING):
         workdir.check(c, run)
-    assert "grpo.steps 30 -> 90" in caplog.text
+    assert "grpo.steps 44 -> 90" in caplog.text
 
 
 def test_only_unreadable_checkpoints_are_refused_until_restart(tmp_path):

@@ -35,4 +35,5 @@ def get_config(arg: str = "multi"):
     c.limits.update(max_nodes=1 if mode == "single" else 4)
     c.eval.splits = ("test",)
     c.grpo.topk = 0  # two agents at most: keep every informative node group
+    c.grpo.branch_agents = ""  # both designs train every agent they have
     return c
