@@ -88,12 +88,12 @@ VARIANTS = {
                        "after each GRPO step", {"grpo.self_imitation": 8}),
     "subagent_credit": ("the default, a sub-agent's nodes scored by its own answer against the "
                         "gold trajectory's", {"grpo.subagent_credit": True}),
-    "sub_branches": ("node groups at the sub-agents' nodes only (the master keeps tau0's "
-                     "outputs and trains nothing): the default since 2026-12-02, named so that "
-                     "records of the previous default stay apart",
+    # sub_branches is the default since 2026-12-02, named so that its records stay apart from
+    # the previous default's (all_branches).
+    "sub_branches": ("node groups at the sub-agents' nodes only (the default since 2026-12-02)",
                      {"grpo.branch_agents": "qa,efc,gfc,math"}),
-    "all_branches": ("the default with node groups at every agent's nodes (the default until "
-                     "2026-12-02)", {"grpo.branch_agents": ""}),
+    "all_branches": ("node groups at every agent's nodes (the default until 2026-12-02)",
+                     {"grpo.branch_agents": ""}),
     "no_std": ("the default with Dr. GRPO's advantages (r - group mean, not divided by the std)",
                {"grpo.advantage": "no_std"}),
     "neg_0.25": ("the default with negative advantages scaled by 0.25 (leaning on the samples "
@@ -504,7 +504,9 @@ def _plot(by_variant: dict[str, list[dict]], path: str) -> None:
     heldout_ax.set_ylabel("test accuracy, policies without memory (greedy)")
     handles = [h for ax in (rollout_ax, heldout_ax) for h in ax.get_legend_handles_labels()[0]]
     if handles:
-        fig.legend(handles=handles, loc="outside lower center", ncols=2, fontsize=7)
+        ncols = 1 if max(len(h.get_label()) for h in handles) > 80 else 2  # 2 wide ones overflow
+        fig.set_size_inches(11, 4.5 + 0.15 * math.ceil(len(handles) / ncols))  # room for it
+        fig.legend(handles=handles, loc="outside lower center", ncols=ncols, fontsize=7)
     fig.savefig(path, dpi=120)
 
 
