@@ -300,11 +300,11 @@ def _grpo(c) -> Iterator[str]:
                f"entries, and memory.enabled is False. Set memory.enabled=True or "
                f"self_imitation=0.")
     listed = {a for a in str(g.branch_agents).split(",") if a}
-    if listed - {protocol.MASTER, *SUITE_SUB_AGENTS}:
-        yield (f"config.grpo.branch_agents={g.branch_agents!r}: no agent named "
-               f"{sorted(listed - {protocol.MASTER, *SUITE_SUB_AGENTS})}; list agents of "
-               f"config.agents ({', '.join(c.agents)}) comma-separated, or leave it empty to "
-               f"branch at every agent's nodes.")
+    unknown = sorted(listed - {protocol.MASTER, *SUITE_SUB_AGENTS})
+    if unknown:
+        yield (f"config.grpo.branch_agents={g.branch_agents!r}: no agent named {unknown}; list "
+               f"agents of config.agents ({', '.join(c.agents)}) comma-separated, or leave it "
+               f"empty to branch at every agent's nodes.")
     elif listed and g.mode == "nodewise" and not listed & set(c.agents):
         yield (f"config.grpo.branch_agents={g.branch_agents!r}: lists none of config.agents "
                f"({', '.join(c.agents)}), so no node group forms and GRPO trains nothing; list "
