@@ -94,6 +94,8 @@ VARIANTS = {
                      {"grpo.branch_agents": "qa,efc,gfc,math"}),
     "all_branches": ("node groups at every agent's nodes (the default until 2026-12-02)",
                      {"grpo.branch_agents": ""}),
+    "min_change_0.05": ("the default, branching only where a sample differs from tau0's output "
+                        "with chance >= 0.05", {"grpo.branch_min_change": 0.05}),
     "no_std": ("the default with Dr. GRPO's advantages (r - group mean, not divided by the std)",
                {"grpo.advantage": "no_std"}),
     "neg_0.25": ("the default with negative advantages scaled by 0.25 (leaning on the samples "

@@ -277,7 +277,10 @@ def _grpo(c) -> Iterator[str]:
                             why="0 turns dynamic sampling off"),
                     _number(c, "grpo.max_refills", low=0, integer=True),
                     _number(c, "grpo.self_imitation", low=0, integer=True,
-                            why="rows per agent of each step's supervised step; 0 = off"))
+                            why="rows per agent of each step's supervised step; 0 = off"),
+                    _number(c, "grpo.branch_min_change", low=0, high=1, high_open=True,
+                            why="a chance that a sample differs from tau0's; 0 branches at "
+                                "every node"))
     if g.memory_groups == "drop" and g.mode == "full_tree":
         yield ("config.grpo.memory_groups=drop: full_tree rollouts do not mark memory-answered "
                "episodes; use grpo.mode=nodewise or trajectory, or memory_groups=keep.")
@@ -295,6 +298,10 @@ def _grpo(c) -> Iterator[str]:
         yield ("config.grpo.greedy_completions=True with grpo.tempered_loss=True: greedy "
                "outputs have no log-probs under the tempered sampling distribution that loss "
                "scores. Set tempered_loss=False or greedy_completions=False.")
+    if g.branch_min_change and g.greedy_completions is True and g.mode == "nodewise":
+        yield (f"config.grpo.branch_min_change={g.branch_min_change}: it reads how likely a "
+               f"sample repeats tau0's sampled output, and greedy_completions=True decodes tau0 "
+               f"greedily. Set greedy_completions=False or branch_min_change=0.")
     if isinstance(g.self_imitation, int) and g.self_imitation > 0 and c.memory.enabled is False:
         yield (f"config.grpo.self_imitation={g.self_imitation}: it imitates the memory's best "
                f"entries, and memory.enabled is False. Set memory.enabled=True or "

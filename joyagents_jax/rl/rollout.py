@@ -74,12 +74,25 @@ class RolloutConfig:
     # at its nodes, samples no alternatives there and trains nothing (empty: every agent, the
     # paper's node-wise sampling).
     branch_agents: tuple[str, ...] = ()
+    # nodewise: branch only at the sampled nodes of tau0 where one more sample would differ
+    # from tau0's output with at least this chance (1 - exp(`Generation.repeat_logp`)); at the
+    # others the G - 1 alternatives would mostly repeat it, so their tokens buy no reward
+    # spread. Such a node still joins the memory's candidates, as a one-member node group that
+    # trains nothing. The memory's nodes (memory_branches) always branch. 0: every node.
+    branch_min_change: float = 0.0
 
     def __post_init__(self):
         for name in ("memory_branches", "gold_branches", "share_identical", "suffix_credit",
-                     "greedy_completions", "subagent_credit", "branch_agents"):
+                     "greedy_completions", "subagent_credit", "branch_agents",
+                     "branch_min_change"):
             if getattr(self, name) and self.mode != "nodewise":
                 raise ValueError(f"rollout.{name} needs mode nodewise, got {self.mode!r}.")
+        if not 0.0 <= self.branch_min_change < 1.0:
+            raise ValueError(f"rollout.branch_min_change is a probability in [0, 1), got "
+                             f"{self.branch_min_change}.")
+        if self.branch_min_change and self.greedy_completions:
+            raise ValueError("rollout.branch_min_change needs sampled tau0 outputs; "
+                             "greedy_completions decodes tau0 greedily (set one of them off).")
         if self.mode not in ("nodewise", "trajectory", "full_tree"):
             raise ValueError(f"rollout.mode must be nodewise, trajectory or full_tree, got "
                              f"{self.mode!r}.")
@@ -95,6 +108,9 @@ class Generation(NamedTuple):
     tokens: np.ndarray  # [n] int32, the output tokens (through the stop)
     logp: np.ndarray  # [n] f32, the sampler's log-probs (SamplerPolicy.tempered says which)
     truncated: bool  # ran out of tokens before a stop
+    # The output's log-prob under the sampling distribution: the log of the chance that one
+    # more sample of its node repeats it token for token (NaN: not sampled, e.g. the memory's).
+    repeat_logp: float = float("nan")
 
 
 class NodeInput(NamedTuple):
@@ -327,6 +343,7 @@ class Rollout:
         points = [(q, i) for q, t in enumerate(tau0) for i, n in enumerate(t.episode.nodes)
                   if (self.cfg.memory_branches or not n.from_memory)
                   and (not self.cfg.branch_agents or n.agent in self.cfg.branch_agents)]
+        points, settled = self._uncertain(tau0, points)
         g = self.cfg.group_size
         alternatives = self._sample([tau0[q].inputs[i] for q, i in points], g - 1, counters)
         groups, to_complete = [], []
@@ -370,7 +387,23 @@ class Rollout:
                 samples.append(s if adv is None else s._replace(reward=float(adv[m])))
             if adv is not None and np.ptp(adv) > 0:  # else every advantage is 0
                 samples += self._suffix(members, scored_by, i, q, adv, len(groups), suffixes)
+        first = len(groups) + len(suffixes)
+        for group, (q, i) in enumerate(settled, first):  # memory candidates, train nothing
+            uses_memory = any(n.from_memory for n in tau0[q].episode.nodes)
+            samples.append(self._sample_of(tau0[q], i, self._reward(tau0[q], tasks[q]), group,
+                                           q)._replace(uses_memory=uses_memory))
         return samples, tau0
+
+    def _uncertain(self, tau0: Sequence[Trace], points: list[tuple[int, int]]
+                   ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """Branch points -> (those to branch at, the settled ones): a sampled output that one
+        more sample repeats with chance > 1 - branch_min_change is settled."""
+        if not self.cfg.branch_min_change:
+            return points, []
+        settled = [np.exp(tau0[q].gens[i].repeat_logp) > 1.0 - self.cfg.branch_min_change
+                   for q, i in points]  # NaN (not sampled) compares False: it branches
+        return ([p for p, s in zip(points, settled) if not s],
+                [p for p, s in zip(points, settled) if s])
 
     def _suffix(self, members, scored_by, i, q, adv, first_id, ids) -> list[Sample]:
         """The LLM nodes after node i of each alternative completed for its node group, each
@@ -571,4 +604,5 @@ class SamplerPolicy:
         tokens = samples.tokens[row, g, :n]
         logp = samples.logp_sample if self.tempered else samples.logp_policy
         return Generation(self.tokenizer.decode(tokens), tokens, logp[row, g, :n],
-                          truncated=not bool(samples.stopped[row, g]))
+                          truncated=not bool(samples.stopped[row, g]),
+                          repeat_logp=float(np.sum(samples.logp_sample[row, g, :n])))
