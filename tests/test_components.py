@@ -22,7 +22,7 @@ CHANGED = {
     "grpo.grounding_match": "chars", "grpo.memory_branches": False, "grpo.neg_weight": 0.5,
     "grpo.gold_branches": True, "grpo.share_identical": False,
     "grpo.suffix_credit": True, "grpo.greedy_completions": True, "grpo.subagent_credit": True,
-    "grpo.branch_agents": "qa,math",
+    "grpo.branch_agents": "qa,math", "grpo.branch_min_change": 0.05,
     "memory.capacity": 7, "memory.response_len": 5, "memory.request_len": 6,
     "memory.tau_reuse": 0.99999, "memory.tau_hint": 0.999, "memory.hints": True, "memory.reuse": False,
     "memory.reuse_min_reward": 0.5, "memory.tau_dup": 0.93, "memory.z": 1.5,
@@ -56,7 +56,9 @@ def test_a_changed_key_changes_what_is_built(key):
 def test_values_arrive_unchanged_where_names_match():
     c = config_lib.get_config()
     for key, value in CHANGED.items():
-        if key not in ("grpo.mode", "grpo.suffix_credit"):  # both switch advantage to "given"
+        # mode and suffix_credit switch advantage to "given"; branch_min_change is refused
+        # beside greedy_completions
+        if key not in ("grpo.mode", "grpo.suffix_credit", "grpo.branch_min_change"):
             _set(c, key, value)
     parts = components.build(c)
     assert dataclasses.asdict(parts.limits) == dict(c.limits)
@@ -99,13 +101,17 @@ def test_node_group_switches_only_in_nodewise_rollouts(mode, switch):
 
 
 @pytest.mark.parametrize("mode", ["trajectory", "full_tree"])
-def test_branch_agents_only_in_nodewise_rollouts(mode):
-    """grpo.branch_agents is a no-op outside node-wise rollouts, like the switches above."""
+@pytest.mark.parametrize("key,value,built,off", [
+    ("branch_agents", "qa,efc,gfc,math", ("qa", "efc", "gfc", "math"), ()),
+    ("branch_min_change", 0.05, 0.05, 0.0)])
+def test_branch_choices_only_in_nodewise_rollouts(mode, key, value, built, off):
+    """grpo.branch_agents and branch_min_change are no-ops outside node-wise rollouts, like
+    the switches above."""
     c = config_lib.get_config()
-    c.grpo.branch_agents = "qa,efc,gfc,math"
-    assert components.build(c).rollout.branch_agents == ("qa", "efc", "gfc", "math")
+    c.grpo[key] = value
+    assert getattr(components.build(c).rollout, key) == built
     c.grpo.mode = mode
-    assert components.build(c).rollout.branch_agents == ()
+    assert getattr(components.build(c).rollout, key) == off
     assert config_checks.problems(c) == []
 
 

@@ -7,6 +7,7 @@ import jax
 import numpy as np
 import pytest
 
+from joyagents_jax import batching
 from joyagents_jax.agents import protocol, system
 from joyagents_jax.data import assistant_suite as suite
 from joyagents_jax.models import qwen2
@@ -20,8 +21,9 @@ TOK = ByteTokenizer()
 class ScriptedPolicy:
     """Test double: output = script(node input, j, group size); counts calls like a sampler."""
 
-    def __init__(self, script):
+    def __init__(self, script, repeat=lambda node_input: 1.0):
         self.script, self.calls, self.batch_sizes, self.draws = script, 0, [], []
+        self.repeat = repeat  # node input -> the chance that a sample repeats the output
 
     def sample(self, inputs, group_size, greedy=False):
         self.calls += 1
@@ -33,7 +35,8 @@ class ScriptedPolicy:
             for j in range(group_size):
                 text = self.script(node_input, j, group_size)
                 ids = np.asarray(TOK.encode(text), np.int32)
-                row.append(rollout.Generation(text, ids, np.zeros(len(ids), np.float32), False))
+                row.append(rollout.Generation(text, ids, np.zeros(len(ids), np.float32), False,
+                                              float(np.log(self.repeat(node_input)))))
             out.append(row)
         return out
 
@@ -374,6 +377,51 @@ def test_branch_agents_leave_unlisted_agents_without_node_groups(examples, sys_)
     assert any(s.reward < 1.0 for s in subs.samples)  # the groups keep their reward spread
 
 
+def test_branch_min_change_settles_the_nodes_a_sample_would_repeat(examples, sys_):
+    """branch_min_change: tau0's nodes whose output a sample repeats with chance > 1 - m get
+    no alternatives; each is one one-member node group (tau0's reward) that trains nothing
+    but reaches the memory's candidates. The uncertain nodes' groups are those branching at
+    every node forms, and the memory's nodes (no sampler log-prob) always branch."""
+    exs = [examples["math"], examples["qa"], examples["cooperation"]]
+    gold = gold_script(exs)
+
+    def script(node_input, j, group_size):
+        out = gold(node_input, j, group_size)
+        wrong = group_size > 1 and j == 1 and out.startswith("<answer>")
+        return "<answer>wrong</answer>" if wrong else out
+    repeat = lambda node_input: 0.5 if node_input.agent == "qa" else 0.99
+    g, tasks = 3, [_task(e) for e in exs]
+    run = lambda m, memory=None: rollout.Rollout(
+        sys_, TOK, ScriptedPolicy(script, repeat),
+        rollout.RolloutConfig("nodewise", g, memory_branches=memory is not None,
+                              branch_min_change=m), memory).run(tasks)
+    every, some = run(0.0), run(0.05)
+    key = lambda s: (s.query, s.node, s.agent, tuple(s.prompt_ids), tuple(s.output_ids),
+                     s.reward)
+    by_group = collections.Counter(s.group for s in some.samples)
+    settled = [s for s in some.samples if by_group[s.group] == 1]
+    assert [key(s) for s in some.samples if by_group[s.group] > 1] == \
+        [key(s) for s in every.samples if s.agent == "qa"]
+    tau0 = [(q, i) for q, t in enumerate(some.episodes) for i, n in enumerate(t.episode.nodes)
+            if n.agent != "qa"]
+    assert [(s.query, s.node) for s in settled] == tau0
+    assert all(s.reward == pytest.approx(float(some.rewards[s.query].total)) for s in settled)
+    assert some.counters.alternatives == len(some.samples) - len(settled) \
+        < every.counters.alternatives
+    assert batching.informative(some.samples) == batching.informative(
+        [s for s in some.samples if s.agent == "qa"])
+    assert [key(s) for s in memory_hook._generated(some)] == [key(s) for s in some.samples]
+    with_memory = run(0.05, MathMemory(gold, sys_))
+    math_groups = collections.Counter(s.group for s in with_memory.samples if s.agent == "math")
+    assert math_groups and set(math_groups.values()) == {g}
+    with pytest.raises(ValueError, match="branch_min_change needs sampled tau0"):
+        rollout.RolloutConfig("nodewise", g, branch_min_change=0.05, greedy_completions=True)
+    with pytest.raises(ValueError, match="branch_min_change is a probability"):
+        rollout.RolloutConfig("nodewise", g, branch_min_change=1.0)
+    with pytest.raises(ValueError, match="branch_min_change needs mode nodewise"):
+        rollout.RolloutConfig("trajectory", g, branch_min_change=0.05)
+
+
 def test_full_tree_counts_the_product(examples, sys_):
     ex = examples["qa"]  # 4 LLM nodes
     g = 2
@@ -488,6 +536,23 @@ def test_separate_and_vmapped_agent_calls_sample_alike(examples, sys_, monkeypat
         outputs.append([[g.text for g in row] for row in policy.sample(inputs, 2)])
         assert policy.calls == (1 if vmap else 2)
     assert outputs[0] == outputs[1]
+
+
+def test_generations_carry_the_chance_that_a_sample_repeats_them(examples, sys_):
+    """repeat_logp sums the output's log-probs under the sampling distribution (what a tempered
+    policy's `logp` holds), whichever log-probs the generation carries for the loss."""
+    inputs = [rollout.NodeInput(agent, p, TOK.encode(p), "sub")
+              for agent, p in [("qa", "Where is it?"), ("math", "1+2")]]
+    sums = {}
+    for tempered in (True, False):
+        policy = _sampler_policy(sys_.agents, SamplingConfig(6, temperature=0.5))
+        policy.tempered = tempered
+        gens = [g for row in policy.sample(inputs, 3) for g in row]
+        assert all(g.repeat_logp <= 0.0 for g in gens)
+        sums[tempered] = [(g.repeat_logp, float(np.sum(g.logp))) for g in gens]
+    assert [r for r, _ in sums[True]] == [r for r, _ in sums[False]]  # same key, same draws
+    np.testing.assert_allclose(*zip(*sums[True]), rtol=1e-5)
+    assert not np.allclose(*zip(*sums[False]), rtol=1e-3)  # the raw policy's differ
 
 
 def test_greedy_draws_are_the_argmax_whatever_the_sampling_config(examples, sys_):
