@@ -163,9 +163,11 @@ def get_config() -> ml_collections.ConfigDict:
     # probability under the sampling distribution); at the others the G - 1 alternatives would
     # mostly repeat it (89% of the default's alternatives equalled an earlier member of their
     # group on seed 0, and 11% of its node groups had a reward spread), so their tokens buy
-    # steps instead. Settled nodes still reach the memory, as one-member node groups that
-    # train nothing; the memory's nodes always branch. 0: every node. Needs sampled tau0
-    # outputs (greedy_completions=False). No effect outside node-wise mode.
+    # steps instead. A memory-answered node is settled when a first policy sample equals the
+    # stored output and is that likely (else that sample is one of its alternatives). Settled
+    # sampled nodes still reach the memory, as one-member node groups that train nothing.
+    # 0: every node. Needs sampled tau0 outputs (greedy_completions=False). No effect outside
+    # node-wise mode.
     # neg_weight scales negative advantages (1: GRPO; 0: only samples that beat their group's
     # mean are reinforced). 0.25 moved the policies alone less than 1 on 3 seeds (+0.7 against
     # +2.3 points; benchmarks/RESULTS.md, "down-weighted negatives"). gold_branches: where a

@@ -74,11 +74,12 @@ class RolloutConfig:
     # at its nodes, samples no alternatives there and trains nothing (empty: every agent, the
     # paper's node-wise sampling).
     branch_agents: tuple[str, ...] = ()
-    # nodewise: branch only at the sampled nodes of tau0 where one more sample would differ
-    # from tau0's output with at least this chance (1 - exp(`Generation.repeat_logp`)); at the
+    # nodewise: branch only at the nodes of tau0 where one more sample would differ from
+    # tau0's output with at least this chance (1 - exp(`Generation.repeat_logp`)); at the
     # others the G - 1 alternatives would mostly repeat it, so their tokens buy no reward
-    # spread. Such a node still joins the memory's candidates, as a one-member node group that
-    # trains nothing. The memory's nodes (memory_branches) always branch. 0: every node.
+    # spread. A memory-answered node (memory_branches) is settled when a first policy sample
+    # equals the stored output and is that likely. A settled sampled node still joins the
+    # memory's candidates, as a one-member node group that trains nothing. 0: every node.
     branch_min_change: float = 0.0
 
     def __post_init__(self):
@@ -343,9 +344,8 @@ class Rollout:
         points = [(q, i) for q, t in enumerate(tau0) for i, n in enumerate(t.episode.nodes)
                   if (self.cfg.memory_branches or not n.from_memory)
                   and (not self.cfg.branch_agents or n.agent in self.cfg.branch_agents)]
-        points, settled = self._uncertain(tau0, points)
+        points, settled, alternatives = self._alternatives(tau0, points, counters)
         g = self.cfg.group_size
-        alternatives = self._sample([tau0[q].inputs[i] for q, i in points], g - 1, counters)
         groups, to_complete = [], []
         for (q, i), gens in zip(points, alternatives):
             members, scored_by = [tau0[q]], [0]  # scored_by: the member whose reward it takes
@@ -394,16 +394,39 @@ class Rollout:
                                            q)._replace(uses_memory=uses_memory))
         return samples, tau0
 
-    def _uncertain(self, tau0: Sequence[Trace], points: list[tuple[int, int]]
-                   ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """Branch points -> (those to branch at, the settled ones): a sampled output that one
-        more sample repeats with chance > 1 - branch_min_change is settled."""
-        if not self.cfg.branch_min_change:
-            return points, []
-        settled = [np.exp(tau0[q].gens[i].repeat_logp) > 1.0 - self.cfg.branch_min_change
-                   for q, i in points]  # NaN (not sampled) compares False: it branches
-        return ([p for p, s in zip(points, settled) if not s],
-                [p for p, s in zip(points, settled) if s])
+    def _alternatives(self, tau0: Sequence[Trace], points: list[tuple[int, int]],
+                      counters: Counters) -> tuple[list, list, list[list[Generation]]]:
+        """Branch points -> (the points to branch at, the settled sampled ones, each branched
+        point's G - 1 alternatives).
+
+        With branch_min_change = m > 0 a node is settled where a sample is known to repeat its
+        output with chance > 1 - m: a sampled output by its own probability, a memory answer
+        when a first policy sample (the probe) equals it and is that likely; a probe that
+        does not settle its node is one of the node's alternatives.
+        """
+        g, m = self.cfg.group_size, self.cfg.branch_min_change
+        if not m:
+            return points, [], self._sample([tau0[q].inputs[i] for q, i in points], g - 1,
+                                            counters)
+        sure = lambda gen: np.exp(gen.repeat_logp) > 1.0 - m  # NaN (not sampled): False
+        stored = [p for p in points if tau0[p[0]].episode.nodes[p[1]].from_memory]
+        probes = dict(zip(stored, [row[0] for row in self._draw(tau0, stored, 1, counters)]))
+        settled = [(q, i) for q, i in points if sure(tau0[q].gens[i]) or (q, i) in probes
+                   and sure(probes[q, i]) and probes[q, i].text == tau0[q].gens[i].text]
+        points = [p for p in points if p not in settled]
+        sampled = [p for p in points if p not in probes]
+        more = [p for p in points if p in probes]
+        drawn = dict(zip(sampled, self._draw(tau0, sampled, g - 1, counters)))
+        drawn.update(zip(more, [[probes[p], *row] for p, row in zip(
+            more, self._draw(tau0, more, g - 2, counters))]))
+        return points, [p for p in settled if p not in probes], [drawn[p] for p in points]
+
+    def _draw(self, tau0: Sequence[Trace], points: list[tuple[int, int]], n: int,
+              counters: Counters) -> list[list[Generation]]:
+        """n samples at each point's node input (no sampler call for none)."""
+        if not points or n < 1:
+            return [[] for _ in points]
+        return self._sample([tau0[q].inputs[i] for q, i in points], n, counters)
 
     def _suffix(self, members, scored_by, i, q, adv, first_id, ids) -> list[Sample]:
         """The LLM nodes after node i of each alternative completed for its node group, each

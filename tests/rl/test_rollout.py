@@ -381,7 +381,7 @@ def test_branch_min_change_settles_the_nodes_a_sample_would_repeat(examples, sys
     """branch_min_change: tau0's nodes whose output a sample repeats with chance > 1 - m get
     no alternatives; each is one one-member node group (tau0's reward) that trains nothing
     but reaches the memory's candidates. The uncertain nodes' groups are those branching at
-    every node forms, and the memory's nodes (no sampler log-prob) always branch."""
+    every node forms."""
     exs = [examples["math"], examples["qa"], examples["cooperation"]]
     gold = gold_script(exs)
 
@@ -411,9 +411,37 @@ def test_branch_min_change_settles_the_nodes_a_sample_would_repeat(examples, sys
     assert batching.informative(some.samples) == batching.informative(
         [s for s in some.samples if s.agent == "qa"])
     assert [key(s) for s in memory_hook._generated(some)] == [key(s) for s in some.samples]
-    with_memory = run(0.05, MathMemory(gold, sys_))
-    math_groups = collections.Counter(s.group for s in with_memory.samples if s.agent == "math")
-    assert math_groups and set(math_groups.values()) == {g}
+
+
+@pytest.mark.parametrize("repeat, probe, branches", [(0.99, "gold", False), (0.5, "gold", True),
+                                                    (0.99, "wrong", True)])
+def test_branch_min_change_probes_the_memorys_nodes(examples, sys_, repeat, probe, branches):
+    """A memory-answered node is settled (no node group, no candidate) when a first policy
+    sample, the probe, equals the stored output and repeats with chance > 1 - m; otherwise
+    the probe is one of its G - 1 alternatives and G - 2 more are drawn."""
+    ex = examples["math"]
+    gold = gold_script([ex])
+
+    def script(node_input, j, group_size):  # math's only one-sample calls are the probes
+        wrong = node_input.agent == "math" and group_size == 1 and probe == "wrong"
+        return "<answer>wrong</answer>" if wrong else gold(node_input, j, group_size)
+    g = 4
+    policy = ScriptedPolicy(script, lambda n: repeat if n.agent == "math" else 0.5)
+    result = rollout.Rollout(sys_, TOK, policy, rollout.RolloutConfig(
+        "nodewise", g, memory_branches=True, branch_min_change=0.05),
+        MathMemory(gold, sys_)).run([_task(ex)])
+    stored = [i for i, n in enumerate(result.episodes[0].episode.nodes) if n.from_memory]
+    math = [s for s in result.samples if s.agent == "math"]
+    assert stored and all(s.node in stored for s in math)
+    assert len(math) == (g * len(stored) if branches else 0)
+    if branches:
+        assert [s.from_memory for s in math[:g]] == [True] + [False] * (g - 1)
+        assert (g - 2, False) in policy.draws  # the probe's node: G - 2 more
+    assert {s.agent for s in result.samples} == {"master"} | ({"math"} if branches else set())
+
+
+def test_branch_min_change_refuses_bad_settings():
+    g = 3
     with pytest.raises(ValueError, match="branch_min_change needs sampled tau0"):
         rollout.RolloutConfig("nodewise", g, branch_min_change=0.05, greedy_completions=True)
     with pytest.raises(ValueError, match="branch_min_change is a probability"):
