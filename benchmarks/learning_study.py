@@ -96,8 +96,9 @@ VARIANTS = {
                      {"grpo.branch_agents": ""}),
     "min_change_0.05": ("the default, branching only where a sample differs from tau0's output "
                         "with chance >= 0.05", {"grpo.branch_min_change": 0.05}),
-    "min_change_0.2": ("the default, branching only where a sample differs from tau0's output "
-                       "with chance >= 0.2", {"grpo.branch_min_change": 0.2}),
+    "min_change_q54": ("min_change_0.05 with 54 queries per step (the tokens it saves spent on "
+                       "wider steps, not more of them)",
+                       {"grpo.branch_min_change": 0.05, "grpo.queries": 54}),
     "no_std": ("the default with Dr. GRPO's advantages (r - group mean, not divided by the std)",
                {"grpo.advantage": "no_std"}),
     "neg_0.25": ("the default with negative advantages scaled by 0.25 (leaning on the samples "
