@@ -389,9 +389,10 @@ class Rollout:
                 samples += self._suffix(members, scored_by, i, q, adv, len(groups), suffixes)
         first = len(groups) + len(suffixes)
         for group, (q, i) in enumerate(settled, first):  # memory candidates, train nothing
-            uses_memory = any(n.from_memory for n in tau0[q].episode.nodes)
-            samples.append(self._sample_of(tau0[q], i, self._reward(tau0[q], tasks[q]), group,
-                                           q)._replace(uses_memory=uses_memory))
+            s = self._sample_of(tau0[q], i, self._reward(tau0[q], tasks[q]), group, q)
+            samples.append(s._replace(  # suffix_credit's rewards are advantages: 0
+                uses_memory=any(n.from_memory for n in tau0[q].episode.nodes),
+                reward=0.0 if self.cfg.suffix_credit else s.reward))
         return samples, tau0
 
     def _alternatives(self, tau0: Sequence[Trace], points: list[tuple[int, int]],

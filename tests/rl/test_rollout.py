@@ -411,6 +411,11 @@ def test_branch_min_change_settles_the_nodes_a_sample_would_repeat(examples, sys
     assert batching.informative(some.samples) == batching.informative(
         [s for s in some.samples if s.agent == "qa"])
     assert [key(s) for s in memory_hook._generated(some)] == [key(s) for s in some.samples]
+    credit = rollout.Rollout(sys_, TOK, ScriptedPolicy(script, repeat), rollout.RolloutConfig(
+        "nodewise", g, branch_min_change=0.05, suffix_credit=True)).run(tasks)
+    alone = [s for s in credit.samples if not s.suffix and s.agent != "qa"]
+    assert len(alone) == len(settled) and all(s.reward == 0.0 for s in alone)  # advantages
+    assert [s.memory_reward for s in alone] == [s.memory_reward for s in settled]
 
 
 @pytest.mark.parametrize("repeat, probe, branches", [(0.99, "gold", False), (0.5, "gold", True),
