@@ -166,8 +166,11 @@ def get_config() -> ml_collections.ConfigDict:
     # steps instead. A memory-answered node is settled when a first policy sample equals the
     # stored output and is that likely (else that sample is one of its alternatives). Settled
     # sampled nodes still reach the memory, as one-member node groups that train nothing.
-    # 0: every node. Needs sampled tau0 outputs (greedy_completions=False). No effect outside
-    # node-wise mode.
+    # On seed 0 at the default's sampler tokens m = 0.05 took 66 steps instead of 44, and the
+    # policies alone ended at 0.610 (0.625 with 54 queries per step) against the default's
+    # 0.645 (benchmarks/RESULTS.md, "Fewer alternatives where a sample would repeat tau0"):
+    # off. 0: every node. Needs sampled tau0 outputs (greedy_completions=False). No effect
+    # outside node-wise mode.
     # neg_weight scales negative advantages (1: GRPO; 0: only samples that beat their group's
     # mean are reinforced). 0.25 moved the policies alone less than 1 on 3 seeds (+0.7 against
     # +2.3 points; benchmarks/RESULTS.md, "down-weighted negatives"). gold_branches: where a
