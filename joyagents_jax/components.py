@@ -93,7 +93,9 @@ def build(c: ml_collections.ConfigDict) -> Components:
                                                            and g.mode == "nodewise"),
                                       branch_agents=branch_agents(c),
                                       branch_min_change=g.branch_min_change
-                                      if g.mode == "nodewise" else 0.0),
+                                      if g.mode == "nodewise" else 0.0,
+                                      unbranched_memory=bool(g.unbranched_memory
+                                                             and g.mode == "nodewise")),
         sampling=SamplingConfig(c.limits.max_tokens_per_node, temperature=g.temperature,
                                 top_k=g.top_k, top_p=g.top_p),
         limits=system.Limits(**c.limits),

@@ -267,7 +267,7 @@ def _grpo(c) -> Iterator[str]:
                     _flag(c, "grpo.tempered_loss"), _flag(c, "grpo.memory_branches"),
                     _flag(c, "grpo.gold_branches"), _flag(c, "grpo.share_identical"),
                     _flag(c, "grpo.suffix_credit"), _flag(c, "grpo.greedy_completions"),
-                    _flag(c, "grpo.subagent_credit"),
+                    _flag(c, "grpo.subagent_credit"), _flag(c, "grpo.unbranched_memory"),
                     _choice(c, "grpo.memory_groups", MEMORY_GROUPS),
                     _choice(c, "grpo.query_order", QUERY_ORDERS),
                     _number(c, "grpo.w_format", low=0), _number(c, "grpo.w_efficiency", low=0),

@@ -23,6 +23,7 @@ CHANGED = {
     "grpo.gold_branches": True, "grpo.share_identical": False,
     "grpo.suffix_credit": True, "grpo.greedy_completions": True, "grpo.subagent_credit": True,
     "grpo.branch_agents": "qa,math", "grpo.branch_min_change": 0.05,
+    "grpo.unbranched_memory": True,
     "memory.capacity": 7, "memory.response_len": 5, "memory.request_len": 6,
     "memory.tau_reuse": 0.99999, "memory.tau_hint": 0.999, "memory.hints": True, "memory.reuse": False,
     "memory.reuse_min_reward": 0.5, "memory.tau_dup": 0.93, "memory.z": 1.5,
@@ -103,10 +104,10 @@ def test_node_group_switches_only_in_nodewise_rollouts(mode, switch):
 @pytest.mark.parametrize("mode", ["trajectory", "full_tree"])
 @pytest.mark.parametrize("key,value,built,off", [
     ("branch_agents", "qa,efc,gfc,math", ("qa", "efc", "gfc", "math"), ()),
-    ("branch_min_change", 0.05, 0.05, 0.0)])
+    ("branch_min_change", 0.05, 0.05, 0.0), ("unbranched_memory", True, True, False)])
 def test_branch_choices_only_in_nodewise_rollouts(mode, key, value, built, off):
-    """grpo.branch_agents and branch_min_change are no-ops outside node-wise rollouts, like
-    the switches above."""
+    """grpo.branch_agents, branch_min_change and unbranched_memory are no-ops outside node-wise
+    rollouts, like the switches above."""
     c = config_lib.get_config()
     c.grpo[key] = value
     assert getattr(components.build(c).rollout, key) == built

@@ -81,11 +81,15 @@ class RolloutConfig:
     # equals the stored output and is that likely. A settled sampled node still joins the
     # memory's candidates, as a one-member node group that trains nothing. 0: every node.
     branch_min_change: float = 0.0
+    # nodewise: tau0's LLM outputs at the nodes of agents outside `branch_agents` join the
+    # memory's candidates, as one-member node groups that train nothing, so the memory can
+    # answer those agents' repeated nodes too (False: they write no memory entries).
+    unbranched_memory: bool = False
 
     def __post_init__(self):
         for name in ("memory_branches", "gold_branches", "share_identical", "suffix_credit",
                      "greedy_completions", "subagent_credit", "branch_agents",
-                     "branch_min_change"):
+                     "branch_min_change", "unbranched_memory"):
             if getattr(self, name) and self.mode != "nodewise":
                 raise ValueError(f"rollout.{name} needs mode nodewise, got {self.mode!r}.")
         if not 0.0 <= self.branch_min_change < 1.0:
@@ -345,6 +349,9 @@ class Rollout:
                   if (self.cfg.memory_branches or not n.from_memory)
                   and (not self.cfg.branch_agents or n.agent in self.cfg.branch_agents)]
         points, settled, alternatives = self._alternatives(tau0, points, counters)
+        if self.cfg.unbranched_memory and self.cfg.branch_agents:
+            settled += [(q, i) for q, t in enumerate(tau0) for i, n in enumerate(t.episode.nodes)
+                        if n.agent not in self.cfg.branch_agents and not n.from_memory]
         g = self.cfg.group_size
         groups, to_complete = [], []
         for (q, i), gens in zip(points, alternatives):

@@ -377,6 +377,38 @@ def test_branch_agents_leave_unlisted_agents_without_node_groups(examples, sys_)
     assert any(s.reward < 1.0 for s in subs.samples)  # the groups keep their reward spread
 
 
+
+def test_unbranched_memory_gives_unlisted_agents_memory_candidates(examples, sys_):
+    """unbranched_memory: tau0's LLM nodes of the agents outside branch_agents become one-member
+    node groups (tau0's reward) that reach the memory's candidates and train nothing; the
+    listed agents' node groups are unchanged."""
+    exs = [examples["math"], examples["cooperation"], examples["qa"]]
+    gold = gold_script(exs)
+
+    def script(node_input, j, group_size):
+        out = gold(node_input, j, group_size)
+        wrong = group_size > 1 and j == 1 and out.startswith("<answer>")
+        return "<answer>wrong</answer>" if wrong else out
+    g, tasks, listed = 3, [_task(e) for e in exs], ("qa", "math")
+    run = lambda on: rollout.Rollout(sys_, TOK, ScriptedPolicy(script), rollout.RolloutConfig(
+        "nodewise", g, branch_agents=listed, unbranched_memory=on)).run(tasks)
+    off, on = run(False), run(True)
+    key = lambda s: (s.query, s.node, s.agent, tuple(s.prompt_ids), tuple(s.output_ids),
+                     s.reward)
+    extra = [s for s in on.samples if s.agent not in listed]
+    assert [key(s) for s in on.samples if s.agent in listed] == [key(s) for s in off.samples]
+    assert [(s.query, s.node) for s in extra] == [
+        (q, i) for q, t in enumerate(on.episodes) for i, n in enumerate(t.episode.nodes)
+        if n.agent not in listed]
+    assert {s.agent for s in extra} == {protocol.MASTER, "gfc"}
+    assert len({s.group for s in extra}) == len(extra)
+    assert {s.group for s in extra}.isdisjoint(s.group for s in on.samples if s.agent in listed)
+    assert all(s.reward == pytest.approx(float(on.rewards[s.query].total)) for s in extra)
+    assert on.counters.alternatives == off.counters.alternatives
+    assert [key(s) for s in batching.informative(on.samples)] == \
+        [key(s) for s in batching.informative(off.samples)]
+    assert [key(s) for s in memory_hook._generated(on)] == [key(s) for s in on.samples]
+
 def test_branch_min_change_settles_the_nodes_a_sample_would_repeat(examples, sys_):
     """branch_min_change: tau0's nodes whose output a sample repeats with chance > 1 - m get
     no alternatives; each is one one-member node group (tau0's reward) that trains nothing
@@ -515,6 +547,8 @@ def test_config_errors():
         rollout.RolloutConfig("trajectory", 2, subagent_credit=True)
     with pytest.raises(ValueError, match="branch_agents needs mode nodewise"):
         rollout.RolloutConfig("full_tree", 2, branch_agents=("qa",))
+    with pytest.raises(ValueError, match="unbranched_memory needs mode nodewise"):
+        rollout.RolloutConfig("trajectory", 2, unbranched_memory=True)
 
 
 TINY_POLICY = qwen2.Qwen2Config(vocab_size=TOK.vocab_size, hidden_size=32, intermediate_size=64,
