@@ -99,8 +99,11 @@ VARIANTS = {
     "min_change_q54": ("min_change_0.05 with 54 queries per step (the tokens it saves spent on "
                        "wider steps, not more of them)",
                        {"grpo.branch_min_change": 0.05, "grpo.queries": 54}),
-    "master_memory": ("the default, the master's tau0 outputs written to the memory (it still "
-                      "trains nothing)", {"grpo.unbranched_memory": True}),
+    "master_memory": ("the default, the master's tau0 outputs written to the memory and reused "
+                      "in GRPO's rollouts too (it still trains nothing)",
+                      {"grpo.unbranched_memory": "all"}),
+    "master_memory_eval": ("the default, the master's tau0 outputs written to the memory and "
+                           "reused at evaluation only", {"grpo.unbranched_memory": "eval"}),
     "no_std": ("the default with Dr. GRPO's advantages (r - group mean, not divided by the std)",
                {"grpo.advantage": "no_std"}),
     "neg_0.25": ("the default with negative advantages scaled by 0.25 (leaning on the samples "

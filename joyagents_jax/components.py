@@ -60,6 +60,13 @@ def branch_agents(c: ml_collections.ConfigDict) -> tuple[str, ...]:
     return listed if c.grpo.mode == "nodewise" else ()
 
 
+def rollout_memory_agents(c: ml_collections.ConfigDict) -> tuple[str, ...]:
+    """The agents whose memory entries GRPO's rollouts may reuse (empty: every agent). Under
+    grpo.unbranched_memory="eval" only the branched agents': the others' entries answer at
+    evaluation and leave the training rollouts as they were without them."""
+    return branch_agents(c) if c.grpo.unbranched_memory == "eval" else ()
+
+
 def build(c: ml_collections.ConfigDict) -> Components:
     s, g = c.sft, c.grpo
     rewards = rw.RewardConfig(w_format=g.w_format, w_efficiency=g.w_efficiency,
@@ -94,8 +101,8 @@ def build(c: ml_collections.ConfigDict) -> Components:
                                       branch_agents=branch_agents(c),
                                       branch_min_change=g.branch_min_change
                                       if g.mode == "nodewise" else 0.0,
-                                      unbranched_memory=bool(g.unbranched_memory
-                                                             and g.mode == "nodewise")),
+                                      unbranched_memory=g.unbranched_memory != "off"
+                                      and g.mode == "nodewise"),
         sampling=SamplingConfig(c.limits.max_tokens_per_node, temperature=g.temperature,
                                 top_k=g.top_k, top_p=g.top_p),
         limits=system.Limits(**c.limits),

@@ -198,7 +198,7 @@ def get_config() -> ml_collections.ConfigDict:
         grounding_match="word", memory_branches=True, neg_weight=1.0, gold_branches=False,
         share_identical=True, suffix_credit=False, greedy_completions=False, self_imitation=0,
         subagent_credit=False, branch_agents="qa,efc,gfc,math", branch_min_change=0.0,
-        unbranched_memory=False))
+        unbranched_memory="off"))
 
     # Reuse needs a (near-)identical node input: with mean-pooled embeddings of a tiny model,
     # different prompts of one agent reach cosine 0.9996 (measured). Hints are off by default

@@ -33,6 +33,7 @@ ADVANTAGES = ("std", "no_std", "loo")
 OPTIMIZERS = ("adamw", "sgd")
 MEMORY_GROUPS = ("keep", "drop")
 QUERY_ORDERS = ("traffic", "questions")
+UNBRANCHED_MEMORY = ("off", "eval", "all")
 GSM8K_SPLITS = ("train", "test", "train_socratic", "test_socratic")
 GROUP_KEYS = {"agents", "model", "checkpoint"}
 # The assistant suite's domains route to all of these (cooperation chains qa/efc with math/gfc).
@@ -267,7 +268,7 @@ def _grpo(c) -> Iterator[str]:
                     _flag(c, "grpo.tempered_loss"), _flag(c, "grpo.memory_branches"),
                     _flag(c, "grpo.gold_branches"), _flag(c, "grpo.share_identical"),
                     _flag(c, "grpo.suffix_credit"), _flag(c, "grpo.greedy_completions"),
-                    _flag(c, "grpo.subagent_credit"), _flag(c, "grpo.unbranched_memory"),
+                    _flag(c, "grpo.subagent_credit"), _choice(c, "grpo.unbranched_memory", UNBRANCHED_MEMORY),
                     _choice(c, "grpo.memory_groups", MEMORY_GROUPS),
                     _choice(c, "grpo.query_order", QUERY_ORDERS),
                     _number(c, "grpo.w_format", low=0), _number(c, "grpo.w_efficiency", low=0),

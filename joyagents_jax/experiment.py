@@ -350,12 +350,14 @@ class Experiment:
         policy.params = {g: grp.policies for g, grp in train.groups.items()}
         return policy
 
-    def memory_view(self, run: RunState) -> memory_hook.MemoryView | None:
-        """The run's memory for a rollout, read-only (None before GRPO or when it is off)."""
+    def memory_view(self, run: RunState, agents: tuple[str, ...] = ()
+                    ) -> memory_hook.MemoryView | None:
+        """The run's memory for a rollout, read-only (None before GRPO or when it is off);
+        `agents`: only theirs is read (empty: every agent's)."""
         if self.memory is None or not run.memory:
             return None
         return memory_hook.MemoryView(self.memory, run.memory,
-                                      memory_hook.group_models(run.train))
+                                      memory_hook.group_models(run.train), agents)
 
     def grpo_iteration(self, run: RunState) -> tuple[RunState, dict[str, float]]:
         """One JoyAgents-R1 iteration over the step's queries, as the method reads:
@@ -399,7 +401,8 @@ class Experiment:
         Returns the (merged) rollout and the number of refills."""
         g = self.config.grpo
         key = jax.random.fold_in(jax.random.key(self.config.seed), 2_000_003 + k)
-        memory = self.memory_view(run) if self.config.memory.in_rollouts else None
+        memory = (self.memory_view(run, components.rollout_memory_agents(self.config))
+                  if self.config.memory.in_rollouts else None)
         roll = lambda tasks, key: rollout.Rollout(self.system, self.tokenizer, self.policy(
             run.train, key), self.parts.rollout, memory).run(tasks)
         result, r = roll(self.train_tasks(k), key), 0

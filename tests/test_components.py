@@ -23,7 +23,7 @@ CHANGED = {
     "grpo.gold_branches": True, "grpo.share_identical": False,
     "grpo.suffix_credit": True, "grpo.greedy_completions": True, "grpo.subagent_credit": True,
     "grpo.branch_agents": "qa,math", "grpo.branch_min_change": 0.05,
-    "grpo.unbranched_memory": True,
+    "grpo.unbranched_memory": "eval",
     "memory.capacity": 7, "memory.response_len": 5, "memory.request_len": 6,
     "memory.tau_reuse": 0.99999, "memory.tau_hint": 0.999, "memory.hints": True, "memory.reuse": False,
     "memory.reuse_min_reward": 0.5, "memory.tau_dup": 0.93, "memory.z": 1.5,
@@ -104,7 +104,7 @@ def test_node_group_switches_only_in_nodewise_rollouts(mode, switch):
 @pytest.mark.parametrize("mode", ["trajectory", "full_tree"])
 @pytest.mark.parametrize("key,value,built,off", [
     ("branch_agents", "qa,efc,gfc,math", ("qa", "efc", "gfc", "math"), ()),
-    ("branch_min_change", 0.05, 0.05, 0.0), ("unbranched_memory", True, True, False)])
+    ("branch_min_change", 0.05, 0.05, 0.0), ("unbranched_memory", "all", True, False)])
 def test_branch_choices_only_in_nodewise_rollouts(mode, key, value, built, off):
     """grpo.branch_agents, branch_min_change and unbranched_memory are no-ops outside node-wise
     rollouts, like the switches above."""
@@ -134,3 +134,15 @@ def test_agents_per_pass_reaches_the_grpo_step(value, expected):
     c = config_lib.get_config()
     c.agents_per_pass = value
     assert components.build(c).grpo_step.agents_per_pass == expected
+
+
+@pytest.mark.parametrize("choice,agents", [("off", ()), ("all", ()),
+                                           ("eval", ("qa", "efc", "gfc", "math"))])
+def test_rollouts_read_the_unbranched_agents_memory_unless_eval(choice, agents):
+    """grpo.unbranched_memory="eval": GRPO's rollouts read only the branched agents' entries;
+    "all" (and "off", which writes none for the others) read every agent's."""
+    c = config_lib.get_config()
+    c.grpo.unbranched_memory = choice
+    assert components.rollout_memory_agents(c) == agents
+    c.grpo.branch_agents = ""
+    assert components.rollout_memory_agents(c) == ()

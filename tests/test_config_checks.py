@@ -44,6 +44,8 @@ def test_the_default_and_real_checkpoint_configs_are_valid(tmp_path):
     ({"grpo__branch_min_change": 1.0}, "config.grpo.branch_min_change=1.0: must be >= 0 and < 1"),
     ({"grpo__branch_min_change": 0.1, "grpo__greedy_completions": True},
      "config.grpo.branch_min_change=0.1: it reads how likely a sample repeats tau0's sampled"),
+    ({"grpo__unbranched_memory": "master"},
+     "config.grpo.unbranched_memory='master': not one of off, eval, all"),
     ({"grpo__aggregation": "bogus"}, "config.grpo.aggregation='bogus': not one of token_mean"),
     ({"grpo__advantage": "bogus"}, "config.grpo.advantage='bogus': not one of std"),
     ({"grpo__optimizer": "adam"}, "config.grpo.optimizer='adam': not one of adamw, sgd"),

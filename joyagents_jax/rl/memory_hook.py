@@ -70,9 +70,13 @@ class MemoryView:
     """
 
     def __init__(self, ctx: Context, tables: Mapping[str, mem.MemoryTable],
-                 models: Mapping[str, GroupModel]):
+                 models: Mapping[str, GroupModel], agents: Sequence[str] = ()):
         self.ctx, self.tables, self.models = ctx, tables, models
-        self._entries = {g: distributed.to_host(t.valid.sum(-1)) for g, t in tables.items()}
+        self._entries = {g: np.array(distributed.to_host(t.valid.sum(-1)))
+                         for g, t in tables.items()}
+        for name in set(ctx.slots) - set(agents or ctx.slots):  # agents: only theirs is read
+            group, index = ctx.slots[name]
+            self._entries[group][index] = 0
         self._found: dict[tuple[str, int, tuple[int, ...]], tuple[float, int, Any] | None] = {}
 
     def lookup(self, requests: Sequence[Request]) -> list[rollout.Reuse | protocol.Hint | None]:

@@ -365,6 +365,13 @@ def test_repeated_rewarded_query_is_answered_from_memory(monkeypatch):
     assert float(second.rewards[0].memory_reward) == float(first.rewards[0].memory_reward)
     third = run([good], tables, episodes=True)  # evaluation reads the same entries
     assert third.counters.memory_hits >= 1
+    # A view of some agents reads only their entries (grpo.unbranched_memory="eval"'s rollouts).
+    reused = lambda result: {n.agent for n in result.episodes[0].episode.nodes if n.from_memory}
+    subs = tuple(a for a in sys_.agents if a != protocol.MASTER)
+    limited = rollout.Rollout(sys_, TOK, ScriptedPolicy(script), rollout.RolloutConfig(
+        "nodewise", 2), memory_hook.MemoryView(ctx, tables, models, subs)).episodes([task(good)])
+    assert protocol.MASTER in reused(third) and reused(limited) == reused(third) - {
+        protocol.MASTER} != set()
     assert leaves(tables) == before  # lookups never write: only the update changes the tables
     tables, m = memory_hook.update(ctx, tables, models, second, step=2)
     assert m["llm_calls_saved"] == second.counters.memory_hits and m["hit_rate"] > 0
