@@ -88,10 +88,11 @@ VARIANTS = {
                        "after each GRPO step", {"grpo.self_imitation": 8}),
     "subagent_credit": ("the default, a sub-agent's nodes scored by its own answer against the "
                         "gold trajectory's", {"grpo.subagent_credit": True}),
-    # sub_branches is the default since 2026-12-02, named so that its records stay apart from
-    # the previous default's (all_branches).
-    "sub_branches": ("node groups at the sub-agents' nodes only (the default since 2026-12-02)",
-                     {"grpo.branch_agents": "qa,efc,gfc,math"}),
+    # sub_branches was the default of session 57, named so that its records stay apart from
+    # the previous default's (all_branches) and the next one's (master_memory_eval).
+    "sub_branches": ("node groups at the sub-agents' nodes only, the master writing no memory "
+                     "entries (the default of session 57)",
+                     {"grpo.branch_agents": "qa,efc,gfc,math", "grpo.unbranched_memory": "off"}),
     "all_branches": ("node groups at every agent's nodes (the default until 2026-12-02)",
                      {"grpo.branch_agents": ""}),
     "min_change_0.05": ("the default, branching only where a sample differs from tau0's output "
@@ -102,8 +103,9 @@ VARIANTS = {
     "master_memory": ("the default, the master's tau0 outputs written to the memory and reused "
                       "in GRPO's rollouts too (it still trains nothing)",
                       {"grpo.unbranched_memory": "all"}),
-    "master_memory_eval": ("the default, the master's tau0 outputs written to the memory and "
-                           "reused at evaluation only", {"grpo.unbranched_memory": "eval"}),
+    "master_memory_eval": ("the master's tau0 outputs written to the memory and reused at "
+                           "evaluation only (the default since session 59)",
+                           {"grpo.unbranched_memory": "eval"}),
     "no_std": ("the default with Dr. GRPO's advantages (r - group mean, not divided by the std)",
                {"grpo.advantage": "no_std"}),
     "neg_0.25": ("the default with negative advantages scaled by 0.25 (leaning on the samples "

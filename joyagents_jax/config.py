@@ -158,6 +158,16 @@ def get_config() -> ml_collections.ConfigDict:
     # 0.595 / 0.675 with the memory against 0.710 / 0.595 / 0.655, calls falling as far
     # (benchmarks/RESULTS.md, "Node groups at the sub-agents' nodes only: the new default").
     # No effect outside node-wise mode.
+    # unbranched_memory: the agents outside branch_agents (the master) keep tau0's outputs, and
+    # these join the memory's candidates as one-member node groups that train nothing, so the
+    # memory also answers the master's repeated nodes: "eval" (the default since 2026-12-02)
+    # at evaluation only, GRPO's rollouts reading the branched agents' entries as before (the
+    # training is the one "off" runs); "all" in the rollouts too; "off": the unbranched agents
+    # write no entries. On the Intel host's seed 1 "eval" ended at 0.630 with the memory
+    # against "off"'s 0.595, the policies alone unchanged (0.570), with 1.555 LLM calls per
+    # query instead of 2.970; "all" changed the training rollouts and left the policies alone
+    # 3.0 and 1.5 points lower on seeds 1-2 (benchmarks/RESULTS.md,
+    # "The master's outputs in the memory"). No effect outside node-wise mode.
     # branch_min_change = m > 0: node-wise rollouts branch only at tau0's sampled nodes where
     # one more sample would differ from tau0's output with chance >= m (one minus the output's
     # probability under the sampling distribution); at the others the G - 1 alternatives would
@@ -198,7 +208,7 @@ def get_config() -> ml_collections.ConfigDict:
         grounding_match="word", memory_branches=True, neg_weight=1.0, gold_branches=False,
         share_identical=True, suffix_credit=False, greedy_completions=False, self_imitation=0,
         subagent_credit=False, branch_agents="qa,efc,gfc,math", branch_min_change=0.0,
-        unbranched_memory="off"))
+        unbranched_memory="eval"))
 
     # Reuse needs a (near-)identical node input: with mean-pooled embeddings of a tiny model,
     # different prompts of one agent reach cosine 0.9996 (measured). Hints are off by default
