@@ -161,13 +161,14 @@ def get_config() -> ml_collections.ConfigDict:
     # unbranched_memory: the agents outside branch_agents (the master) keep tau0's outputs, and
     # these join the memory's candidates as one-member node groups that train nothing, so the
     # memory also answers the master's repeated nodes: "eval" (the default since 2026-12-02)
-    # at evaluation only, GRPO's rollouts reading the branched agents' entries as before (the
-    # training is the one "off" runs); "all" in the rollouts too; "off": the unbranched agents
-    # write no entries. On the Intel host's seed 1 "eval" ended at 0.630 with the memory
-    # against "off"'s 0.595, the policies alone unchanged (0.570), with 1.555 LLM calls per
-    # query instead of 2.970; "all" changed the training rollouts and left the policies alone
-    # 3.0 and 1.5 points lower on seeds 1-2 (benchmarks/RESULTS.md,
-    # "The master's outputs in the memory"). No effect outside node-wise mode.
+    # at evaluation only, GRPO's rollouts reading the branched agents' entries as before; "all"
+    # in the rollouts too; "off": the unbranched agents write no entries. On the Intel host's
+    # seeds 0-2 "eval" trained exactly what "off" trains (the same steps, tokens and answers of
+    # the policies alone) and ended at 0.690 / 0.630 / 0.700 with the memory against 0.675 /
+    # 0.595 / 0.675 (+15.5 / +12.0 / +11.0 over SFT), with 1.275 / 1.555 / 1.150 LLM calls per
+    # query instead of 2.715 / 2.970 / 2.660; "all" changed the training rollouts and left the
+    # policies alone 3.0 and 1.5 points lower on seeds 1-2 (benchmarks/RESULTS.md, "The
+    # master's outputs in the memory"). No effect outside node-wise mode.
     # branch_min_change = m > 0: node-wise rollouts branch only at tau0's sampled nodes where
     # one more sample would differ from tau0's output with chance >= m (one minus the output's
     # probability under the sampling distribution); at the others the G - 1 alternatives would
