@@ -82,6 +82,18 @@ def gold_script(examples, wrong_every=0):
     return script
 
 
+def second_answer_wrong(examples):
+    """gold_script, except that the second sample of each draw of several at an answer node
+    answers wrongly: every node group ending in an answer gets a reward spread."""
+    gold = gold_script(examples)
+
+    def script(node_input, j, group_size):
+        out = gold(node_input, j, group_size)
+        wrong = group_size > 1 and j == 1 and out.startswith("<answer>")
+        return "<answer>wrong</answer>" if wrong else out
+    return script
+
+
 def test_nodewise_groups_share_prefix_and_score_their_own_continuation(examples, sys_):
     exs = [examples["math"], examples["cooperation"]]
     g = 3
@@ -352,13 +364,8 @@ def test_branch_agents_leave_unlisted_agents_without_node_groups(examples, sys_)
     master, gfc) keep tau0's outputs, sample no alternatives and train nothing; the listed
     agents' groups are those branching at every agent forms (same members, rewards, order)."""
     exs = [examples["math"], examples["cooperation"], examples["qa"]]
-    gold = gold_script(exs)
+    script = second_answer_wrong(exs)
     listed = ("qa", "math")
-
-    def script(node_input, j, group_size):
-        out = gold(node_input, j, group_size)
-        wrong = group_size > 1 and j == 1 and out.startswith("<answer>")
-        return "<answer>wrong</answer>" if wrong else out
     g = 3
     tasks = [_task(e) for e in exs]
     every = rollout.Rollout(sys_, TOK, ScriptedPolicy(script),
@@ -383,12 +390,7 @@ def test_unbranched_memory_gives_unlisted_agents_memory_candidates(examples, sys
     node groups (tau0's reward) that reach the memory's candidates and train nothing; the
     listed agents' node groups are unchanged."""
     exs = [examples["math"], examples["cooperation"], examples["qa"]]
-    gold = gold_script(exs)
-
-    def script(node_input, j, group_size):
-        out = gold(node_input, j, group_size)
-        wrong = group_size > 1 and j == 1 and out.startswith("<answer>")
-        return "<answer>wrong</answer>" if wrong else out
+    script = second_answer_wrong(exs)
     g, tasks, listed = 3, [_task(e) for e in exs], ("qa", "math")
     run = lambda on: rollout.Rollout(sys_, TOK, ScriptedPolicy(script), rollout.RolloutConfig(
         "nodewise", g, branch_agents=listed, unbranched_memory=on)).run(tasks)
@@ -415,12 +417,7 @@ def test_branch_min_change_settles_the_nodes_a_sample_would_repeat(examples, sys
     but reaches the memory's candidates. The uncertain nodes' groups are those branching at
     every node forms."""
     exs = [examples["math"], examples["qa"], examples["cooperation"]]
-    gold = gold_script(exs)
-
-    def script(node_input, j, group_size):
-        out = gold(node_input, j, group_size)
-        wrong = group_size > 1 and j == 1 and out.startswith("<answer>")
-        return "<answer>wrong</answer>" if wrong else out
+    script = second_answer_wrong(exs)
     repeat = lambda node_input: 0.5 if node_input.agent == "qa" else 0.99
     g, tasks = 3, [_task(e) for e in exs]
     run = lambda m, memory=None: rollout.Rollout(
