@@ -41,6 +41,12 @@ class Sequences:
             a["logp"][agent, row, n:n + m] = logp
 
 
+def _check_length(longest: int, max_len: int) -> None:
+    if longest > max_len:
+        raise ValueError(f"A training sequence has {longest} tokens, more than max_len "
+                         f"{max_len}; raise the config's max sequence length or shorten prompts.")
+
+
 def _layout(items: Sequence[tuple[str, int]], slots: AgentSlots, group_sizes: Mapping[str, int],
             max_len: int, min_rows: int = 1, fixed_len: bool = False):
     """Row of each item within its agent, rows per group (bucketed) and the bucketed length."""
@@ -52,9 +58,7 @@ def _layout(items: Sequence[tuple[str, int]], slots: AgentSlots, group_sizes: Ma
     per_group = {g: bucket(max([counts.get(a, 0) for a, (gg, _) in slots.items() if gg == g]
                                + [min_rows])) for g in group_sizes}
     longest = max([n for _, n in items] + [1])
-    if longest > max_len:
-        raise ValueError(f"A training sequence has {longest} tokens, more than max_len "
-                         f"{max_len}; raise the config's max sequence length or shorten prompts.")
+    _check_length(longest, max_len)
     length = max_len if fixed_len else min(-(-longest // LENGTH_STEP) * LENGTH_STEP, max_len)
     return rows, per_group, length
 
@@ -71,6 +75,40 @@ def sft_batch(demos: Sequence[tuple[str, Sequence[int], Sequence[int]]], slots: 
         seqs.put(group, index, row, context, output)
     return {g: sft.SFTBatch(tokens=a["tokens"], mask=a["mask"], loss_mask=a["loss_mask"])
             for g, a in seqs.arrays.items()}
+
+
+def sorted_passes(demos: Sequence[tuple[str, Sequence[int], Sequence[int]]], slots: AgentSlots,
+                  group_sizes: Mapping[str, int], rows: int, max_len: int
+                  ) -> dict[str, list[sft.SortedPass]]:
+    """(agent, context ids, output ids) demonstrations -> per group, `sft.SortedPass`es of
+    `rows` rows each in order of length (the last filled with empty rows), each padded to its
+    own longest row rounded up to LENGTH_STEP; row weights 1 / (A * the agent's target tokens
+    in `demos`), so the passes' summed loss is the mean over agents of each one's token mean."""
+    by_group: dict[str, list] = {}
+    for agent, context, output in demos:
+        group, index = slots[agent]
+        by_group.setdefault(group, []).append((len(context) + len(output), index, context, output))
+    out = {}
+    for group, items in by_group.items():
+        items.sort(key=lambda item: item[0])
+        _check_length(items[-1][0], max_len)
+        targets = np.zeros(group_sizes[group])  # the loss's targets: tokens[1:] of the outputs
+        for _, index, context, output in items:
+            targets[index] += max(len(output) - (len(context) == 0), 0)
+        weights = 1.0 / (group_sizes[group] * np.where(targets > 0, targets, 1.0))
+        out[group] = []
+        for start in range(0, len(items), rows):
+            chunk = items[start:start + rows]
+            length = min(-(-chunk[-1][0] // LENGTH_STEP) * LENGTH_STEP, max_len)
+            seqs = Sequences({group: 1}, {group: rows}, length)
+            agent, weight = np.zeros(rows, np.int32), np.zeros(rows, np.float32)
+            for row, (_, index, context, output) in enumerate(chunk):
+                seqs.put(group, 0, row, context, output)
+                agent[row], weight[row] = index, weights[index]
+            a = {k: v[0] for k, v in seqs.arrays[group].items()}
+            out[group].append(sft.SortedPass(tokens=a["tokens"], mask=a["mask"],
+                                             loss_mask=a["loss_mask"], agent=agent, weight=weight))
+    return out
 
 
 def informative(samples: Sequence[rollout.Sample]) -> list[rollout.Sample]:

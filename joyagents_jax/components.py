@@ -22,6 +22,7 @@ from joyagents_jax.sampling import SamplingConfig
 
 # Read by the train loop itself (how many steps, which batch), not by a component.
 LOOP_KEYS = ("sft.steps", "sft.shared_steps", "sft.batch_per_agent", "sft.extra_worlds",
+             "sft.sorted_passes",
              "grpo.steps", "grpo.queries", "grpo.memory_groups", "grpo.min_groups",
              "grpo.max_refills", "grpo.query_order", "grpo.self_imitation", "memory.enabled",
              "memory.in_rollouts")

@@ -72,11 +72,15 @@ def get_config() -> ml_collections.ConfigDict:
     # +7.5 / +7.5 / +3.5), 0.660 / 0.635 / 0.705 with the memory, and their LLM calls per query
     # fell (4.755 -> 4.655, 4.765 -> 4.530, 4.850 -> 4.615; gold: rose) (benchmarks/RESULTS.md,
     # "The imperfect demonstrator: the new default"; 2-core Intel Xeon).
+    # sorted_passes: the shared phase's step runs over its demonstrations sorted by length, in
+    # passes of batch_per_agent rows each padded to its own longest row instead of the step's
+    # longest; the same mean gradient up to rounding (sft.py), fewer padded tokens and T^2
+    # attention (False: one [A, B, T] batch, T the step's longest row).
     c.sft = ml_collections.ConfigDict(dict(steps=900, shared_steps=900, batch_per_agent=8,
                                            learning_rate=5e-3, warmup_steps=20, weight_decay=0.0,
                                            clip_norm=1.0, demo_wrong_route=0.0,
                                            demo_wrong_tool=0.0, demo_redundant_call=0.6,
-                                           extra_worlds=0))
+                                           extra_worlds=0, sorted_passes=False))
 
     # LoRA (rank 0: full fine-tuning). rank > 0: each agent of the listed groups ("": all) trains
     # its own adapters (scaled by alpha / rank) on the projections whose name matches `targets`,

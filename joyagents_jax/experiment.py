@@ -312,10 +312,18 @@ class Experiment:
             pool = self.demos[agent]
             for j in rng.integers(0, len(pool), self.config.sft.batch_per_agent):
                 batch.append((agent, *pool[j]))
-        arrays = batching.sft_batch(batch, self.slots, self.group_sizes, self.config.max_len,
-                                    self.min_rows)  # demonstrations vary little in length
-        name = "shared_sft" if step < self.config.sft.shared_steps else "sft"
-        train, m = self._run_step(name, run.train, arrays)
+        shared = step < self.config.sft.shared_steps
+        if shared and self.config.sft.sorted_passes:
+            if "sorted_sft" not in self._jitted:
+                self._jitted["sorted_sft"] = sft.make_sorted_sft_step(self.mesh)
+            passes = batching.sorted_passes(batch, self.slots, self.group_sizes,
+                                            self.config.sft.batch_per_agent, self.config.max_len)
+            train, m = self._jitted["sorted_sft"](run.train, passes)
+            m = distributed.to_host(m)
+        else:
+            arrays = batching.sft_batch(batch, self.slots, self.group_sizes, self.config.max_len,
+                                        self.min_rows)
+            train, m = self._run_step("shared_sft" if shared else "sft", run.train, arrays)
         metrics = self._per_agent(m["agents"], "sft")
         metrics["sft/loss"] = float(np.mean([metrics[f"sft/loss/{a}"] for a in self.config.agents]))
         metrics["sft/skipped"] = float(m["skipped"])

@@ -64,6 +64,25 @@ def test_sft_batch_layout():
     assert not b["subs"].mask[1].any()  # math has no demonstration: an all-padding row
 
 
+def test_sorted_passes_order_rows_by_length_and_weight_each_agent_equally():
+    demos = [("qa", [1, 2], [3]), ("master", [1], [2, 3, 4]), ("qa", [5] * 70, [6, 7]),
+             ("math", [4], [5, 6]), ("qa", [], [8, 9]), ("math", [1, 1, 1], [2])]
+    p = batching.sorted_passes(demos, SLOTS, SIZES, rows=2, max_len=128)
+    subs, m = p["subs"], p["m"]
+    assert len(subs) == 3 and len(m) == 1 and m[0].tokens.shape == (2, 64)
+    # Lengths 3, 2, 3, 4, 72 (qa, qa, math, math, qa) sorted: passes [2, 3], [3, 4], [72, pad].
+    assert [b.tokens.shape for b in subs] == [(2, 64), (2, 64), (2, 128)]
+    np.testing.assert_array_equal(subs[0].tokens[:, :3], [[8, 9, 0], [1, 2, 3]])
+    np.testing.assert_array_equal([b.agent for b in subs], [[0, 0], [1, 1], [0, 0]])
+    # Targets are the outputs' tokens but a sequence's first: qa 1 + 1 + 2 = 4, math 2 + 1 = 3.
+    np.testing.assert_allclose([b.weight for b in subs], [[1 / 8, 1 / 8], [1 / 6, 1 / 6],
+                                                         [1 / 8, 0]])
+    np.testing.assert_allclose(m[0].weight, [1 / 3, 0])
+    assert not subs[2].mask[1].any() and not m[0].loss_mask[1].any()  # padding rows
+    with pytest.raises(ValueError, match="72 tokens, more than max_len 64"):
+        batching.sorted_passes(demos, SLOTS, SIZES, rows=2, max_len=64)
+
+
 def test_informative_keeps_groups_with_a_reward_spread():
     kept = batching.informative(SAMPLES)
     assert sorted({s.group for s in kept}) == [5, 7]

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from joyagents_jax import sft
+from joyagents_jax import batching, sft
 from joyagents_jax import train_state as ts
 from joyagents_jax.models import lora, qwen2
 from tests.rl.test_grpo_step import _random_params
@@ -151,3 +151,41 @@ def test_agents_in_passes_give_the_one_pass_step(state, step, shared):
         fresh, passes_m = passes(fresh, batch)
     chex.assert_trees_all_close(fresh.groups, state.groups, rtol=1e-5, atol=1e-4)
     chex.assert_trees_all_close(passes_m, one_m, rtol=1e-5, atol=1e-6)
+
+
+def _varied_demos(seed: int) -> list[tuple[str, list[int], list[int]]]:
+    """Demonstrations of 3 sub-agents and the master, 2 to 4 per agent, 3 to 130 tokens long."""
+    rng = np.random.default_rng(seed)
+    demos = []
+    for agent, count in (("s0", 4), ("s1", 2), ("s2", 3), ("m", 3)):
+        for _ in range(count):
+            n, m = int(rng.integers(1, 120)), int(rng.integers(1, 10))
+            demos.append((agent, rng.integers(1, SUB.vocab_size, n).tolist(),
+                          rng.integers(1, SUB.vocab_size, m).tolist()))
+    return demos
+
+
+def test_sorted_passes_take_the_shared_step():
+    """The shared phase over length-sorted passes of 2 rows (each padded to its own length,
+    rows of different agents mixed) takes the padded shared step's steps up to rounding, and
+    reports its per-agent loss, accuracy, target tokens and grad norms."""
+    slots = {"s0": ("subs", 0), "s1": ("subs", 1), "s2": ("subs", 2), "m": ("master", 0)}
+    sizes = {"subs": 3, "master": 1}
+    equal = lambda model, n, seed: jax.tree.map(
+        lambda x: jnp.broadcast_to(x[:1], x.shape), _random_params(model, n, seed))
+    make = lambda: ts.create({"subs": ts.init_group(SUB, OPTIM, equal(SUB, 3, 0)),
+                              "master": ts.init_group(MASTER, OPTIM, equal(MASTER, 1, 1))})
+    padded, sorted_ = make(), make()
+    shared, by_length = sft.make_sft_step(shared=True), sft.make_sorted_sft_step()
+    for seed in range(3):
+        demos = _varied_demos(seed)
+        padded, padded_m = shared(padded, batching.sft_batch(demos, slots, sizes, max_len=192))
+        passes = batching.sorted_passes(demos, slots, sizes, rows=2, max_len=192)
+        assert len({b.tokens.shape[1] for b in passes["subs"]}) > 1  # passes of own lengths
+        sorted_, sorted_m = by_length(sorted_, passes)
+        chex.assert_trees_all_close(sorted_m, padded_m, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(sorted_.groups, padded.groups, rtol=1e-5, atol=1e-4)
+    assert int(sorted_.step) == 3 and int(sorted_.skipped) == 0
+    moved = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), sorted_.groups["subs"].params,
+                         make().groups["subs"].params)
+    assert max(jax.tree.leaves(moved)) > 1e-3  # the steps trained

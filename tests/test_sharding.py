@@ -249,6 +249,7 @@ def device_report() -> dict:
     report["stacked_agent2"] = stacked_report(cfg, params, tokens, want[0])
     report["hf_load"] = hf_load_report(cfg, params)
     report["init"] = init_report(cfg, params)
+    report["sorted_sft"] = sorted_sft_report(cfg, params)
     return report
 
 
@@ -296,6 +297,33 @@ def init_report(cfg, params) -> dict:
     sharded = sharding.init_params(cfg, jax.random.key(0), mesh)
     q = sharded["layers"]["attn"]["q"]["kernel"]
     return {"diff": relative_diff(sharded, params), "q_spec": str(q.sharding.spec)}
+
+
+def sorted_sft_report(cfg, params) -> dict:
+    """Two equal agents' shared SFT over length-sorted passes on an agent=2,data=2,fsdp=2 mesh
+    against the same two steps unsharded: the largest relative difference of the params."""
+    from joyagents_jax import batching, sft
+    from joyagents_jax import train_state as ts
+    rng = np.random.default_rng(0)
+    demos = [(agent, rng.integers(1, 256, int(rng.integers(4, 100))).tolist(),
+              rng.integers(1, 256, int(rng.integers(1, 20))).tolist())
+             for agent in ("a", "b") for _ in range(6)]
+    slots, sizes = {"a": ("all", 0), "b": ("all", 1)}, {"all": 2}
+    passes = batching.sorted_passes(demos, slots, sizes, rows=4, max_len=128)
+    stacked = jax.tree.map(lambda x: np.stack([x, x]), params)
+    optim = ts.OptimConfig(learning_rate=1e-2, schedule="constant", eps=1e-4)
+    fresh = lambda: ts.create({"all": ts.init_group(cfg, optim, stacked)})
+    mesh = sharding.make_mesh("agent=2,data=2,fsdp=2")
+    states = {"plain": fresh(), "mesh": jax.device_put(fresh(), ts.state_shardings(fresh(), mesh))}
+    steps = {"plain": sft.make_sorted_sft_step(), "mesh": sft.make_sorted_sft_step(mesh)}
+    for name in states:
+        for _ in range(2):
+            states[name], _ = steps[name](states[name], passes)
+    q = states["mesh"].groups["all"].params["layers"]["attn"]["q"]["kernel"]
+    return {"diff": relative_diff(states["mesh"].groups["all"].params,
+                                  states["plain"].groups["all"].params),
+            "lengths": [int(b.tokens.shape[1]) for b in passes["all"]],
+            "q_spec": str(q.sharding.spec)}
 
 
 @pytest.fixture(scope="module")
@@ -352,3 +380,10 @@ def test_hf_weights_load_straight_into_shardings(report):
 
 def test_random_init_straight_into_shardings(report):
     assert report["init"] == {"diff": 0.0, "q_spec": str(P(None, "fsdp", "tensor"))}
+
+
+def test_sorted_sft_passes_on_a_mesh_match_unsharded(report):
+    r = report["sorted_sft"]
+    assert len(set(r["lengths"])) > 1  # passes of their own lengths, rows over data x fsdp
+    assert r["q_spec"] == str(P("agent", None, "fsdp", "tensor"))
+    assert r["diff"] < 1e-4  # Adam's eps 1e-4 as above: a wrong step is off by O(lr)

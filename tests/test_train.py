@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -515,3 +516,24 @@ def test_self_imitation_trains_only_agents_with_best_memory_entries(data_dir, tm
     first_grpo = run.replace(train=train, step=run.step + exp.config.sft.steps)
     _, metrics = exp.grpo_iteration(first_grpo)
     assert "self_imitation/rows" in metrics
+
+
+def test_sorted_passes_run_the_shared_sft_phase(data_dir, tmp_path):
+    """sft.sorted_passes=true: the shared SFT steps run over length-sorted passes and log the
+    padded step's metrics up to rounding; after the shared phase (1 step here) the per-agent
+    step runs as before, bit for bit where the states agree."""
+    runs = {}
+    for flag in (False, True):
+        exp = evaluate.experiment.Experiment(
+            _config(data_dir=data_dir, **{"sft.sorted_passes": flag, "sft.shared_steps": 2}),
+            str(tmp_path / str(flag)))
+        run, rows = exp.init_run(), []
+        for _ in range(3):
+            run, metrics = exp.sft_iteration(run)
+            rows.append(metrics)
+        runs[flag] = run, rows
+    (plain, plain_rows), (by_length, sorted_rows) = runs[False], runs[True]
+    for p, s in zip(plain_rows, sorted_rows):
+        assert p.keys() == s.keys()
+        np.testing.assert_allclose([s[k] for k in p], [p[k] for k in p], rtol=2e-4, atol=1e-5)
+    chex.assert_trees_all_close(by_length.train.groups, plain.train.groups, rtol=1e-4, atol=1e-4)
