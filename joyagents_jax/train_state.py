@@ -258,14 +258,16 @@ def agent_batch_shardings(batch: Any, mesh: Mesh) -> Any:
 def over_agents(fn, per_pass: int | None, params: qwen2.Params | lora_lib.LoRAParams, *rows):
     """fn(params of agent a, *rows[a]) for every agent a: params stacked [A, ...] (a LoRA base
     shared), rows [A, ...] (None allowed). One vmapped pass of all agents (per_pass None), or
-    passes of `per_pass` agents one after another (`lax.map`)."""
+    passes of `per_pass` agents one after another (`lax.map`; vmapped within a pass of several,
+    where a `lax.cond` computes both branches)."""
     if per_pass is None:
         axes = (lora_lib.agent_axes(params),) + (0,) * len(rows)
         return jax.vmap(fn, in_axes=axes)(params, *rows)
+    batch = per_pass if per_pass > 1 else None  # one: unbatched, so a `lax.cond` in fn skips
     if isinstance(params, lora_lib.LoRAParams):
         one = lambda a: fn(params.replace(adapters=a[0]), *a[1:])
-        return jax.lax.map(one, (params.adapters, *rows), batch_size=per_pass)
-    return jax.lax.map(lambda a: fn(*a), (params, *rows), batch_size=per_pass)
+        return jax.lax.map(one, (params.adapters, *rows), batch_size=batch)
+    return jax.lax.map(lambda a: fn(*a), (params, *rows), batch_size=batch)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -224,8 +224,8 @@ def agent_grads(model: qwen2.Qwen2Config, cfg: grpo.GRPOConfig, micro_batch: int
     size = _micro_size(rows, micro_batch)
     loss_fn = lambda params, *rest: agent_loss(model, cfg, first, view(params), *rest)
     if size == rows:
-        (_, (metrics, logp_old)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            params, logp_old, *inputs)
+        (_, (metrics, logp_old)), grads = _unless_empty(
+            jax.value_and_grad(loss_fn, has_aux=True), inputs[2], params, logp_old, *inputs)
         return grads, {k: v for k, v in metrics.items()
                        if k not in ("denom", "live", "generated")}, logp_old
     targets, weights = inputs[2], inputs[5]
@@ -236,14 +236,27 @@ def agent_grads(model: qwen2.Qwen2Config, cfg: grpo.GRPOConfig, micro_batch: int
         loss, (metrics, old) = loss_fn(params, *mb)
         return loss * grpo.safe_divide(metrics["denom"], total), (metrics, old)
 
-    def body(acc, mb):
-        (_, (metrics, old)), grads = jax.value_and_grad(scaled, has_aux=True)(params, *mb)
+    def body(acc, mb):  # mb: logp_old, tokens, mask, targets, ...
+        (_, (metrics, old)), grads = _unless_empty(
+            jax.value_and_grad(scaled, has_aux=True), mb[3], params, *mb)
         return jax.tree.map(jnp.add, acc, grads), (metrics, old)
 
     zeros = jax.tree.map(jnp.zeros_like, params)
     grads, (metrics, old) = jax.lax.scan(
         body, zeros, tuple(_micro(x, size) for x in (logp_old, *inputs)))
     return grads, _combine_micro(metrics), old.reshape(rows, -1)
+
+
+def _unless_empty(fn, targets: jax.Array, *args):
+    """fn(*args), or zeros shaped as its outputs when `targets` [B, T-1] holds no target token.
+
+    Rows without targets are padding (an agent's rows are bucketed to the group's largest
+    count, and an agent without samples has only padding): their loss, gradient, metrics and
+    metric weights are all zero, so skipping them (`lax.cond` runs one branch) changes nothing
+    but the time the empty micro-batches and agents took.
+    """
+    zeros = lambda *a: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(fn, *a))
+    return jax.lax.cond(jnp.any(targets), fn, zeros, *args)
 
 
 def _reduce_inner(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
@@ -281,13 +294,15 @@ def _reference_logprobs(group: ts.AgentGroup, r: Rollouts, loss: grpo.GRPOConfig
     rows = r.tokens.shape[1]
     size = _micro_size(rows, micro_batch)
 
-    def one_agent(params, tokens, mask):  # [B, T] -> [B, T-1]
-        per_micro = lambda tm: grpo.token_logprobs(
-            _logits(group.model, params, *tm, loss.temperature), tm[0][:, 1:])
-        return jax.lax.map(per_micro, (_micro(tokens, size), _micro(mask, size))).reshape(
-            rows, -1)
+    def one_agent(params, tokens, mask, targets):  # [B, T] -> [B, T-1]
+        logprobs = lambda tokens, mask: grpo.token_logprobs(
+            _logits(group.model, params, tokens, mask, loss.temperature), tokens[:, 1:])
+        per_micro = lambda tmt: _unless_empty(logprobs, tmt[2], *tmt[:2])
+        return jax.lax.map(per_micro, tuple(_micro(x, size) for x in (tokens, mask, targets))
+                           ).reshape(rows, -1)
 
-    return ts.over_agents(one_agent, per_pass, references, r.tokens, r.mask)
+    return ts.over_agents(one_agent, per_pass, references, r.tokens, r.mask,
+                          r.loss_mask[..., 1:].astype(bool))
 
 
 def _inner_step(cfg: GRPOStepConfig, inputs: dict, updates: dict[str, jax.Array], carry,

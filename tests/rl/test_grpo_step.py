@@ -462,3 +462,28 @@ def test_lora_step_trains_only_the_selected_agents_adapters(step):
     assert np.all(subs["kl"][:2] > 0)  # KL against the adapters at the start (here: the base)
     # Zero b: the first forward is the base's, whose near-uniform log-probs give the gap ln 32.
     np.testing.assert_allclose(subs["logprob_gap"], np.log(32), rtol=0.02)
+
+
+def test_padding_micro_batches_and_agents_without_samples_are_skipped_exactly():
+    """Agents one per pass, micro-batches of 2 rows: sub-agent 2 has no samples (only padding
+    rows) and every agent's rows end in padding. The step skips those micro-batches in a
+    `lax.cond` (a `case` in the lowered step; vmapped agents compute both branches: none) and
+    equals the vmapped full-batch step."""
+    rollouts = _rollouts("subs", 1)
+    empty = np.asarray(rollouts.group_ids).copy()
+    empty[2] = -1
+    rollouts = rollouts.replace(group_ids=jnp.asarray(empty), mask=rollouts.mask.at[2].set(False),
+                                loss_mask=rollouts.loss_mask.at[2].set(False))
+    batch = gs.GRPOBatch({"master": _rollouts("master", 0), "subs": rollouts},
+                         jnp.asarray([0, 1, 1, 2, -1, -1], jnp.int32))
+    skipping = dataclasses.replace(STEP_CFG, agents_per_pass=1, micro_batch=2)
+    step, vmapped = gs.make_grpo_step(skipping), gs.make_grpo_step(STEP_CFG)
+    assert "stablehlo.case" in step.lower(_fresh_state(), batch).as_text()
+    assert "stablehlo.case" not in vmapped.lower(_fresh_state(), batch).as_text()
+    got, got_m = step(_fresh_state(), batch)
+    want, want_m = vmapped(_fresh_state(), batch)
+    _assert_same_step(got, got_m, want, want_m)
+    start = _fresh_state()
+    for before, after in zip(_leaves(start.groups["subs"].params, 2),
+                             _leaves(got.groups["subs"].params, 2)):
+        np.testing.assert_array_equal(after, before)
