@@ -75,9 +75,9 @@ def get_config() -> ml_collections.ConfigDict:
     # sorted_passes: the shared phase's step runs over its demonstrations sorted by length, in
     # passes of batch_per_agent rows each padded to its own longest row instead of the step's
     # longest; the same mean gradient up to rounding (sft.py). The default's rows were half
-    # padding (0.511 real tokens, 0.799 sorted) and its warm steps ran 2.00x faster on a 2-core
-    # Intel Xeon (benchmarks/RESULTS.md, "Length-sorted SFT passes"; False: one [A, B, T]
-    # batch, T the step's longest row, the default until session 61).
+    # padding (0.511 real tokens, 0.799 sorted), and its warm steps ran 1.83-2.00x faster on
+    # a 2-core Intel Xeon (benchmarks/RESULTS.md, "Length-sorted SFT passes"; False: one
+    # [A, B, T] batch, T the step's longest row, the default until session 61).
     c.sft = ml_collections.ConfigDict(dict(steps=900, shared_steps=900, batch_per_agent=8,
                                            learning_rate=5e-3, warmup_steps=20, weight_decay=0.0,
                                            clip_norm=1.0, demo_wrong_route=0.0,

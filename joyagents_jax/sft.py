@@ -9,7 +9,7 @@ The shared phase (agents equal, one mean gradient) can also run over length-sort
 the step's demonstrations of all agents, sorted by length, in passes of equal row counts, each
 padded only to its own longest row. Per-token weights keep the mean of per-agent token means,
 so the gradient is the padded step's up to rounding; short rows stop paying for the longest
-one (attention costs T^2), which halves the CPU default's SFT time.
+one (attention costs T^2): the CPU default's warm SFT steps run 1.8-2.0x faster.
 """
 
 from __future__ import annotations
