@@ -17,7 +17,9 @@ SUB_AGENTS = ("qa", "efc", "gfc", "math")
 def get_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0
-    c.tokenizer = "bytes"  # "bytes", or a folder with an HF tokenizer (e.g. a Qwen2.5 checkpoint)
+    # "bytes"; "suite_bpe": a byte-level BPE trained on the run's demonstrations (~2.4x fewer
+    # ids; use the "tiny-bpe" model); or a folder with an HF tokenizer (e.g. a Qwen2.5 checkpoint)
+    c.tokenizer = "bytes"
     c.dataset = "assistant_suite"  # or "gsm8k": local files in gsm8k_dir (agents master[, math])
     c.suite = "cpu"  # assistant suite config (assistant_suite.CONFIGS)
     c.gsm8k_dir = ""  # train.jsonl and test.jsonl of GSM8K (github.com/openai/grade-school-math)

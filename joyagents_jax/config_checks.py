@@ -166,9 +166,28 @@ def _top_level(c) -> Iterator[str]:
     if c.dataset == "gsm8k" and not c.gsm8k_dir:
         yield ("config.gsm8k_dir is empty: config.dataset=gsm8k needs a folder with train.jsonl "
                "and test.jsonl from github.com/openai/grade-school-math.")
-    if c.tokenizer != "bytes" and not os.path.isdir(c.tokenizer):
-        yield (f"config.tokenizer={c.tokenizer!r}: not a folder; use 'bytes' or a folder with an "
-               f"HF tokenizer (e.g. the Qwen2.5 checkpoint).")
+    if c.tokenizer not in ("bytes", "suite_bpe") and not os.path.isdir(c.tokenizer):
+        yield (f"config.tokenizer={c.tokenizer!r}: not a folder; use 'bytes', 'suite_bpe' or a "
+               f"folder with an HF tokenizer (e.g. the Qwen2.5 checkpoint).")
+    if c.tokenizer == "suite_bpe":
+        yield from _suite_bpe_models(c)
+
+
+def _suite_bpe_models(c) -> Iterator[str]:
+    """A suite BPE needs randomly initialized preset models with room for its ids."""
+    from joyagents_jax import tokenizers
+    from joyagents_jax.models import presets
+
+    for name, spec in c.groups.items():
+        if spec.checkpoint:
+            yield (f"config.groups.{name}.checkpoint is set with config.tokenizer='suite_bpe': a "
+                   f"checkpoint has its own tokenizer; set config.tokenizer to its folder.")
+        elif spec.model in presets.PRESETS and (
+                presets.PRESETS[spec.model].vocab_size < tokenizers.SUITE_BPE_VOCAB):
+            yield (f"config.groups.{name}.model={spec.model!r} has a vocabulary of "
+                   f"{presets.PRESETS[spec.model].vocab_size}, fewer than a suite BPE's "
+                   f"{tokenizers.SUITE_BPE_VOCAB} ids; use model 'tiny-bpe' with "
+                   f"config.tokenizer='suite_bpe'.")
 
 
 def _agents_and_groups(c) -> Iterator[str]:

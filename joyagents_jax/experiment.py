@@ -34,7 +34,8 @@ from joyagents_jax.rl import memory as mem
 from joyagents_jax.rl import self_imitation
 from joyagents_jax.run_state import RunState
 from joyagents_jax.sampling import Sampler
-from joyagents_jax.tokenizers import load_tokenizer
+from joyagents_jax.tokenizers import (BPETokenizer, ByteTokenizer, Tokenizer, load_tokenizer,
+                                      train_suite_bpe)
 
 
 def task_of(ex: suite.Example) -> rollout.Task:
@@ -61,15 +62,15 @@ class Experiment:
         config_checks.validate(config)
         self.config, self.workdir = config, workdir
         self.parts = components.build(config)
-        try:
-            self.tokenizer = load_tokenizer(config.tokenizer)
-        except (OSError, ValueError) as e:
-            raise ValueError(f"config.tokenizer: {e}") from e
         self.sources = distributed.primary_first(  # process 0 prepares the data once
             "load_sources", lambda: load_sources(config, workdir))
         self.system = system.make_system(suite.suite_world(config.suite),
                                          agents=[a for a in config.agents if a != protocol.MASTER],
                                          limits=self.parts.limits)
+        try:
+            self.tokenizer = load_tokenizer(self._tokenizer_folder())
+        except (OSError, ValueError) as e:
+            raise ValueError(f"config.tokenizer: {e}") from e
         self.slots = {a: (g, i) for g, spec in config.groups.items()
                       for i, a in enumerate(spec.agents)}
         self.models = {}
@@ -98,7 +99,7 @@ class Experiment:
             raise ValueError(f"config.sft.batch_per_agent {config.sft.batch_per_agent} is not "
                              f"divisible by the mesh's data x fsdp size {self.min_rows}; use a "
                              f"multiple of it.")
-        self.demos = self._demonstrations()
+        self.demos = self._demonstrations(self._demonstration_texts(self.tokenizer))
         self.grpo_pool = self._grpo_pool()
         self._makers = {"sft": functools.partial(sft.make_sft_step, agents_per_pass=per_pass),
                         "shared_sft": functools.partial(sft.make_sft_step, shared=True,
@@ -271,11 +272,22 @@ class Experiment:
                     for r in suite.generate_splits(other)["train"]]
         return out
 
-    def _demonstrations(self) -> dict[str, list[tuple[list[int], list[int]]]]:
-        """Per agent, (context ids, output ids) of every node of one demonstration of every
+    def _tokenizer_folder(self) -> str:
+        """config.tokenizer, or for "suite_bpe" the run's own BPE in <workdir>/tokenizer,
+        trained once (by process 0) on the demonstrations' ChatML text, read back on resume."""
+        if self.config.tokenizer != "suite_bpe":
+            return self.config.tokenizer
+        folder = os.path.join(self.workdir, "tokenizer")
+        if not os.path.isfile(os.path.join(folder, BPETokenizer.FILE)):
+            texts = lambda: (p + o for _, p, o in self._demonstration_texts(ByteTokenizer()))
+            distributed.primary_first("suite_bpe", lambda: train_suite_bpe(texts(), folder))
+        return folder
+
+    def _demonstration_texts(self, chat: Tokenizer) -> list[tuple[str, str, str]]:
+        """(agent, prompt text, output text) of every node of one demonstration of every
         train example (`_demo_examples`): its gold trajectory, with the configured
-        demonstrator's detours."""
-        demos = collections.defaultdict(list)
+        demonstrator's detours; prompts in `chat`'s template."""
+        texts = []
         examples = self._demo_examples()
         outputs = [demonstrator.outputs(agents, [(n.agent, n.output) for n in ex.gold],
                                         self.parts.demonstrator,
@@ -290,10 +302,17 @@ class Experiment:
         for (agents, _, ex), nodes in zip(examples, outputs):
             episode = system.demonstration(agents, ex.query, nodes)
             for node in episode.nodes:
-                prompt = protocol.render_prompt(self.tokenizer, self.system.specs[node.agent],
+                prompt = protocol.render_prompt(chat, self.system.specs[node.agent],
                                                 node.query, node.turns)
-                demos[node.agent].append((self.tokenizer.encode(prompt),
-                                          self.tokenizer.encode(node.output)))
+                texts.append((node.agent, prompt, node.output))
+        return texts
+
+    def _demonstrations(self, texts: Sequence[tuple[str, str, str]]
+                        ) -> dict[str, list[tuple[list[int], list[int]]]]:
+        """Per agent, (context ids, output ids) of the demonstrations' nodes (`texts`)."""
+        demos = collections.defaultdict(list)
+        for agent, prompt, output in texts:
+            demos[agent].append((self.tokenizer.encode(prompt), self.tokenizer.encode(output)))
         longest = max(len(c) + len(o) for pool in demos.values() for c, o in pool)
         if longest > self.config.max_len:  # found now, not at the SFT step that draws it
             raise ValueError(f"config.max_len={self.config.max_len}: the longest SFT "

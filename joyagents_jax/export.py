@@ -37,7 +37,7 @@ def export(workdir: str, out: str, step: int | None = None, dtype: str | None = 
 
     def save(folder, model, params):
         hf_io.save_params(folder, model, params, dtype=dtype, generation_config=generation)
-        _tokenizer_files(exp.config.tokenizer, folder)
+        _tokenizer_files(exp.config.tokenizer, exp.tokenizer, folder)
 
     written = []
     bases = {name: distributed.to_host(g.base) for name, g in run.train.groups.items()
@@ -72,10 +72,13 @@ def _lora_base_folder(out: str, group: str) -> str:
     return os.path.join(out, "lora", f"base_{group}")
 
 
-def _tokenizer_files(spec: str, folder: str) -> None:
-    """Copies an HF tokenizer's files, or writes the byte tokenizer as one transformers loads."""
+def _tokenizer_files(spec: str, tokenizer: tokenizers.Tokenizer, folder: str) -> None:
+    """Copies an HF tokenizer's files, or writes an embedded one as a folder transformers loads."""
     if spec == "bytes":
         tokenizers.save_byte_tokenizer(folder)
+        return
+    if isinstance(tokenizer, tokenizers.BPETokenizer):
+        tokenizer.save_hf(folder)
         return
     for name in _TOKENIZER_FILES:
         if os.path.isfile(os.path.join(spec, name)):

@@ -26,6 +26,11 @@ def test_the_default_and_real_checkpoint_configs_are_valid(tmp_path):
                                                       str(tmp_path))})
     real.tokenizer = str(tmp_path)
     assert config_checks.problems(real) == []
+    real.tokenizer = "suite_bpe"
+    assert config_checks.problems(real) == [
+        "config.groups.all.checkpoint is set with config.tokenizer='suite_bpe': a checkpoint has "
+        "its own tokenizer; set config.tokenizer to its folder."]
+    assert config_checks.problems(_with(tokenizer="suite_bpe", groups__all__model="tiny-bpe")) == []
 
 
 @pytest.mark.parametrize("overrides, fragment", [
@@ -87,6 +92,8 @@ def test_the_default_and_real_checkpoint_configs_are_valid(tmp_path):
     ({"groups__all__model": "qwen9"}, "config.groups.all.model='qwen9': not a preset"),
     ({"groups__all__checkpoint": "/nonexistent/qwen"}, "no config.json there"),
     ({"tokenizer": "/nonexistent/tok"}, "config.tokenizer='/nonexistent/tok': not a folder"),
+    ({"tokenizer": "suite_bpe"}, "config.groups.all.model='tiny' has a vocabulary of 264"),
+    ({"tokenizer": "suite_bpe", "groups__all__model": "base-120m"}, "use model 'tiny-bpe'"),
     ({"suite": "huge"}, "config.suite='huge': not one of"),
     ({"eval__splits": ("test", "dev")}, "config.eval.splits=['test', 'dev']"),
     ({"mesh": "data=3,fsdp=5"}, "config.mesh='data=3,fsdp=5'"),

@@ -231,3 +231,67 @@ def test_the_byte_tokenizer_saved_for_transformers_gives_the_same_ids(tmp_path):
     assert hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
         ours.apply_chat_template(messages)
     assert (len(hf), hf.pad_token_id, hf.eos_token_id) == (ours.vocab_size, ours.pad_id, 258)
+
+
+# ------------------------------------------------------------------------------------------------
+# Suite BPE.
+# ------------------------------------------------------------------------------------------------
+
+# Suite-like text: tool calls whose arguments repeat entities from the question.
+SUITE_TEXTS = [
+    f"<|im_start|>user\nApply coupon {code} to order {order}.<|im_end|>\n<|im_start|>assistant\n"
+    f'<tool name="apply_coupon">{{"order_id":"{order}","code":"{code}"}}</tool><|im_end|>\n'
+    for code, order in [("OHXUS", "Z476"), ("KQWAB", "A241"), ("OHXUS", "B993"),
+                        ("ZETA", "Q100")] * 20]
+
+
+@pytest.fixture(scope="module")
+def suite_bpe(tmp_path_factory):
+    folder = tokenizers.train_suite_bpe(SUITE_TEXTS, tmp_path_factory.mktemp("bpe"), 300)
+    return load_tokenizer(folder)
+
+
+def test_suite_bpe_ids_and_properties(suite_bpe):
+    assert isinstance(suite_bpe, tokenizers.BPETokenizer)
+    assert 259 < suite_bpe.vocab_size <= 300
+    assert (suite_bpe.pad_id, suite_bpe.eos_id, suite_bpe.stop_ids) == (0, 0, (0, 2))
+    assert suite_bpe.encode("<|im_start|>x<|im_end|>")[::2] == [1, 2]
+    text = SUITE_TEXTS[0]
+    assert len(suite_bpe.encode(text)) < len(ByteTokenizer().encode(text)) / 2  # merges learned
+    assert suite_bpe.observation_role == ByteTokenizer().observation_role == "observation"
+    assert suite_bpe.apply_chat_template(SYSTEM_AND_USER) == \
+        ByteTokenizer().apply_chat_template(SYSTEM_AND_USER)
+
+
+@pytest.mark.parametrize("text", VARIED_TEXTS + SUITE_TEXTS[:1] + ["", "\x00\n\t"])
+def test_suite_bpe_round_trip(suite_bpe, text):
+    assert suite_bpe.decode(suite_bpe.encode(text)) == text  # every byte has an id
+
+
+def test_suite_bpe_entities_keep_their_ids_in_any_context(suite_bpe):
+    """A letter run is its own pre-token: no space or quote glued to it."""
+    for entity in ("OHXUS", "Z476", "NEWCODE"):
+        alone = suite_bpe.encode(entity)
+        for context in (f"coupon {entity}.", f'"code":"{entity}"}}', f"\n{entity}\n"):
+            ids = suite_bpe.encode(context)
+            assert any(ids[i:i + len(alone)] == alone for i in range(len(ids))), context
+
+
+def test_suite_bpe_is_deterministic_and_checked(tmp_path, suite_bpe):
+    again = tokenizers.train_suite_bpe(SUITE_TEXTS, tmp_path, 300)
+    assert (again / tokenizers.BPETokenizer.FILE).read_text() == suite_bpe.path.read_text()
+    assert not list(tmp_path.glob("*.tmp"))
+    with pytest.raises(ValueError, match="no room for the 256 bytes"):
+        tokenizers.train_suite_bpe(SUITE_TEXTS, tmp_path, 258)
+    with pytest.raises(ValueError, match=r"out of range for the suite BPE"):
+        suite_bpe.decode([suite_bpe.vocab_size])
+
+
+def test_suite_bpe_saved_for_transformers_gives_the_same_ids(suite_bpe, tmp_path):
+    import transformers
+
+    hf = transformers.AutoTokenizer.from_pretrained(suite_bpe.save_hf(tmp_path))
+    text = SUITE_TEXTS[1] + "unseen ü€😀 42"
+    assert hf.encode(text) == suite_bpe.encode(text)
+    assert hf.decode(suite_bpe.encode(text)) == text
+    assert (len(hf), hf.pad_token_id, hf.eos_token_id) == (suite_bpe.vocab_size, 0, 2)

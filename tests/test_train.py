@@ -537,3 +537,29 @@ def test_sorted_passes_run_the_shared_sft_phase(data_dir, tmp_path):
         assert p.keys() == s.keys()
         np.testing.assert_allclose([s[k] for k in p], [p[k] for k in p], rtol=2e-4, atol=1e-5)
     chex.assert_trees_all_close(by_length.train.groups, plain.train.groups, rtol=1e-4, atol=1e-4)
+
+
+def test_a_suite_bpe_run_trains_its_own_tokenizer_once_and_exports_it(data_dir, tmp_path):
+    """config.tokenizer=suite_bpe: <workdir>/tokenizer is trained on the demonstrations at the
+    first start, read back (not retrained) on resume, and exported for transformers; the
+    demonstrations take fewer ids than bytes; the tiny default model has no room for it."""
+    import transformers
+
+    bpe = {"tokenizer": "suite_bpe", "groups.all.model": "tiny-bpe", "max_len": 256}
+    with pytest.raises(ValueError, match="use model 'tiny-bpe'"):
+        train.train(_config(data_dir=data_dir, tokenizer="suite_bpe"), str(tmp_path / "bad"))
+    workdir = tmp_path / "bpe"
+    train.train(_config(data_dir=data_dir, **bpe), str(workdir))
+    file = workdir / "tokenizer" / "suite_bpe.json"
+    built = file.stat().st_mtime_ns
+    exp, _ = evaluate.load_run(str(workdir))
+    assert file.stat().st_mtime_ns == built and exp.tokenizer.path == file
+    byte_exp = evaluate.experiment.Experiment(_config(data_dir=data_dir), str(tmp_path / "b"))
+    bpe_ids = sum(len(c) + len(o) for pool in exp.demos.values() for c, o in pool)
+    byte_ids = sum(len(c) + len(o) for pool in byte_exp.demos.values() for c, o in pool)
+    assert bpe_ids < byte_ids / 2
+    out = tmp_path / "export"
+    export.export(str(workdir), str(out))
+    hf = transformers.AutoTokenizer.from_pretrained(out / "master")
+    prompt = exp.tokenizer.decode(exp.demos["efc"][0][0])
+    assert hf.encode(prompt) == exp.tokenizer.encode(prompt) == exp.demos["efc"][0][0]

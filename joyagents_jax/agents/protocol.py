@@ -24,7 +24,7 @@ import re
 from collections.abc import Sequence
 from typing import Any, Literal, NamedTuple, get_args
 
-from joyagents_jax.tokenizers import ENDOFTEXT, IM_END, IM_START, ByteTokenizer, Tokenizer
+from joyagents_jax.tokenizers import ENDOFTEXT, IM_END, IM_START, Tokenizer
 
 Role = Literal["master", "sub"]
 MASTER = "master"  # The agent with this name routes; every other agent is a sub-agent.
@@ -312,8 +312,8 @@ def render_messages(spec: AgentSpec, query: str, turns: Sequence[Turn] = (),
 
 
 def observation_role(tokenizer: Tokenizer) -> str:
-    """"observation" for the byte tokenizer's ChatML; "tool" for HF chat templates (Qwen2.5)."""
-    return "observation" if isinstance(tokenizer, ByteTokenizer) else "tool"
+    """"observation" for the embedded tokenizers' ChatML; "tool" for HF chat templates (Qwen2.5)."""
+    return getattr(tokenizer, "observation_role", "tool")
 
 
 def render_prompt(tokenizer: Tokenizer, spec: AgentSpec, query: str,
