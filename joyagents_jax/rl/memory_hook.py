@@ -149,12 +149,13 @@ def _embed(ctx: Context, model: GroupModel, agent: int, rows: Sequence[Sequence[
 
 
 def _chunked(ctx: Context, rows: Sequence[Sequence[int]], fn) -> Any:
-    """fn(tokens, mask) over token rows in left-padded chunks of `embed_batch`, one device call
-    and one host transfer each -> its outputs for the rows, concatenated [len(rows), ...]."""
+    """fn(tokens, mask) over token rows in left-padded chunks of `embed_batch` rows, one device
+    call and one host transfer each -> its outputs for the rows, concatenated [len(rows), ...].
+    Every chunk has `embed_batch` rows: a few prompt-length shapes compile, not one per count."""
     size, out = ctx.cfg.embed_batch, []
     for start in range(0, len(rows), size):
         chunk = rows[start:start + size]
-        found = distributed.to_host(fn(*_left_pad(chunk, ctx.tokenizer.pad_id)))
+        found = distributed.to_host(fn(*_left_pad(chunk, ctx.tokenizer.pad_id, size)))
         out.append(jax.tree.map(lambda x: x[:len(chunk)], found))
     return jax.tree.map(lambda *xs: np.concatenate(xs), *out)
 
@@ -164,9 +165,10 @@ def _bucket(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def _left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-    """Token rows -> tokens, mask [bucket(B), bucket(T)], left padded."""
-    b, t = _bucket(len(rows)), _bucket(max(len(r) for r in rows))
+def _left_pad(rows: Sequence[Sequence[int]], pad_id: int, b: int
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """At most b token rows -> tokens, mask [b, bucket(T)], left padded."""
+    t = _bucket(max(len(r) for r in rows))
     tokens, mask = np.full((b, t), pad_id, np.int32), np.zeros((b, t), bool)
     for i, row in enumerate(rows):
         tokens[i, t - len(row):], mask[i, t - len(row):] = row, True

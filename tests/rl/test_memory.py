@@ -5,6 +5,7 @@ import collections
 import dataclasses
 import json
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -409,3 +410,24 @@ def test_repeated_rewarded_query_is_answered_from_memory(monkeypatch):
     members = memory_hook._members(ctx, guided)
     assert sum(map(len, members.values())) == sum(not s.from_gold for s in guided.samples)
     assert memory_hook._generated(guided) == [s for s in guided.samples if not s.from_gold]
+
+
+def test_key_chunks_always_have_embed_batch_rows():
+    """Any number of prompts embeds in chunks of embed_batch rows: one compiled shape per
+    prompt-length bucket, and each row's key as when it is embedded alone."""
+    model = qwen2.Qwen2Config(vocab_size=TOK.vocab_size, hidden_size=16, intermediate_size=32,
+                              num_layers=1, num_heads=2, num_kv_heads=1,
+                              max_position_embeddings=64)
+    ref = jax.tree.map(lambda x: x[None], qwen2.init_params(model, jax.random.key(0)))
+    cfg = memory.MemoryConfig(capacity=4, response_length=8, request_length=8, embed_batch=4)
+    ctx = memory_hook.Context(None, TOK, {}, cfg)
+    group = memory_hook.GroupModel(model, ref)
+    rows = [list(range(1, 1 + n)) for n in (3, 9, 5, 12, 10, 2)]
+    memory_hook._embed_agent.clear_cache()
+    keys = {n: memory_hook._embed(ctx, group, 0, rows[:n]) for n in (1, 2, 6)}
+    assert memory_hook._embed_agent._cache_size() == 2  # [4, 4] and [4, 16]
+    chex.assert_shape(keys[6], (6, 16))
+    for n, k in keys.items():
+        np.testing.assert_allclose(k, keys[6][:n], atol=1e-6)
+    alone = np.concatenate([memory_hook._embed(ctx, group, 0, [r]) for r in rows])
+    np.testing.assert_allclose(keys[6], alone, atol=1e-6)
