@@ -38,6 +38,11 @@ def get_config() -> ml_collections.ConfigDict:
     # default's demonstrations with their repeated calls reach 463 tokens (384 held the gold ones).
     c.max_len = 512
     c.pad_to_max_len = True  # one GRPO-step shape: compiles once (a CPU compile costs ~30 steps)
+    # GRPO rows per agent padded at least to this power of two (0: the power of two of the
+    # step's most samples per agent). Micro-batches without a real row are skipped, so the
+    # padding costs no run time and the step compiles once for up to this many samples per
+    # agent, not once per power of two seen (a few compiles of ~10 s each on 2 cores).
+    c.pad_rows_to = 64
     # Agents of a group in one vmapped pass of the SFT step, the GRPO step and the rollouts'
     # decoding; the passes run one after another (0: every agent at once). One per pass bounds
     # activation memory to one agent's and on CPU runs unbatched matmul kernels: the default's

@@ -151,6 +151,7 @@ def _top_level(c) -> Iterator[str]:
                     _choice(c, "attention_impl", ATTENTION_IMPLS), _flag(c, "remat"),
                     _flag(c, "pad_to_max_len"), _flag(c, "restart"),
                     _number(c, "max_len", low=2, integer=True),
+                    _number(c, "pad_rows_to", low=0, integer=True),
                     _number(c, "agents_per_pass", low=0, integer=True,
                             why="0 runs every agent of a group in one pass"),
                     _number(c, "max_skipped_steps", low=1, integer=True,
@@ -338,10 +339,12 @@ def _grpo(c) -> Iterator[str]:
         yield (f"config.grpo.branch_agents={g.branch_agents!r}: lists none of config.agents "
                f"({', '.join(c.agents)}), so no node group forms and GRPO trains nothing; list "
                f"some of them, or leave it empty to branch at every agent's nodes.")
-    mb = g.micro_batch
-    if isinstance(mb, int) and mb > 0 and mb & (mb - 1):
-        yield (f"config.grpo.micro_batch={mb}: must be a power of two (rows per agent in one "
-               f"forward/backward) or 0 (the whole batch).")
+    for key, value, what in (("grpo.micro_batch", g.micro_batch,
+                              "(rows per agent in one forward/backward) or 0 (the whole batch)"),
+                             ("pad_rows_to", c.pad_rows_to,
+                              "or 0 (rows padded to the power of two of the step's own count)")):
+        if isinstance(value, int) and value > 0 and value & (value - 1):
+            yield f"config.{key}={value}: must be a power of two {what}."
 
 
 def _memory(c) -> Iterator[str]:

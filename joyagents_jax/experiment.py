@@ -481,7 +481,8 @@ class Experiment:
                 ) -> ts.TrainState:
         """The jitted all-agents GRPO step on `samples`; logs its per-agent metrics."""
         batch = batching.grpo_batch(samples, self.slots, self.group_sizes, self.offsets,
-                                    self.config.max_len, self.min_rows, self.config.pad_to_max_len)
+                                    self.config.max_len, max(self.min_rows, self.config.pad_rows_to),
+                                    self.config.pad_to_max_len)
         start = time.perf_counter()
         train, m = jax.block_until_ready(self._run_step("grpo", train, batch))
         metrics["time/update_seconds"] = time.perf_counter() - start

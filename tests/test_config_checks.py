@@ -92,6 +92,8 @@ def test_the_default_and_real_checkpoint_configs_are_valid(tmp_path):
     ({"groups__all__model": "qwen9"}, "config.groups.all.model='qwen9': not a preset"),
     ({"groups__all__checkpoint": "/nonexistent/qwen"}, "no config.json there"),
     ({"tokenizer": "/nonexistent/tok"}, "config.tokenizer='/nonexistent/tok': not a folder"),
+    ({"pad_rows_to": 48}, "config.pad_rows_to=48: must be a power of two or 0"),
+    ({"pad_rows_to": -1}, "config.pad_rows_to=-1: must be >= 0"),
     ({"tokenizer": "suite_bpe"}, "config.groups.all.model='tiny' has a vocabulary of 264"),
     ({"tokenizer": "suite_bpe", "groups__all__model": "base-120m"}, "use model 'tiny-bpe'"),
     ({"suite": "huge"}, "config.suite='huge': not one of"),

@@ -563,3 +563,19 @@ def test_a_suite_bpe_run_trains_its_own_tokenizer_once_and_exports_it(data_dir, 
     hf = transformers.AutoTokenizer.from_pretrained(out / "master")
     prompt = exp.tokenizer.decode(exp.demos["efc"][0][0])
     assert hf.encode(prompt) == exp.tokenizer.encode(prompt) == exp.demos["efc"][0][0]
+
+
+def test_grpo_rows_are_padded_to_pad_rows_to(data_dir, tmp_path, monkeypatch):
+    """Every agent's GRPO rows are padded to config.pad_rows_to whatever the sample count."""
+    from joyagents_jax import batching
+
+    batches, real = [], batching.grpo_batch
+    monkeypatch.setattr(batching, "grpo_batch", lambda *a: batches.append(real(*a)) or batches[-1])
+    exp = evaluate.experiment.Experiment(_config(data_dir=data_dir, pad_rows_to=8),
+                                         str(tmp_path / "w"))
+    run = exp.start_grpo(exp.init_run())
+    rollout_result, _ = exp._rollout(run, 0)
+    train_state = run.train
+    for n in (1, 3):
+        train_state = exp._update(train_state, rollout_result.samples[:n], {})
+        assert [r.tokens.shape[:2] for r in batches[-1].rollouts.values()] == [(5, 8)]
