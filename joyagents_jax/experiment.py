@@ -278,9 +278,13 @@ class Experiment:
         if self.config.tokenizer != "suite_bpe":
             return self.config.tokenizer
         folder = os.path.join(self.workdir, "tokenizer")
-        if not os.path.isfile(os.path.join(folder, BPETokenizer.FILE)):
-            texts = lambda: (p + o for _, p, o in self._demonstration_texts(ByteTokenizer()))
-            distributed.primary_first("suite_bpe", lambda: train_suite_bpe(texts(), folder))
+
+        def build():  # every process enters the barrier; the others find the file
+            if not os.path.isfile(os.path.join(folder, BPETokenizer.FILE)):
+                texts = self._demonstration_texts(ByteTokenizer())
+                train_suite_bpe((prompt + output for _, prompt, output in texts), folder)
+
+        distributed.primary_first("suite_bpe", build)
         return folder
 
     def _demonstration_texts(self, chat: Tokenizer) -> list[tuple[str, str, str]]:
