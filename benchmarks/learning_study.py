@@ -93,8 +93,10 @@ VARIANTS = {
     "sub_branches": ("node groups at the sub-agents' nodes only, the master writing no memory "
                      "entries (the default of session 57)",
                      {"grpo.branch_agents": "qa,efc,gfc,math", "grpo.unbranched_memory": "off"}),
-    "all_branches": ("node groups at every agent's nodes (the default until 2026-12-02)",
-                     {"grpo.branch_agents": ""}),
+    "all_branches": ("node groups at every agent's nodes (the default until 2026-12-02 and "
+                     "since session 64)", {"grpo.branch_agents": ""}),
+    "bytes": ("the byte-tokenizer default of sessions 57-63 (config.byte_default())",
+              dict(config_lib.BYTE_DEFAULT)),
     "min_change_0.05": ("the default, branching only where a sample differs from tau0's output "
                         "with chance >= 0.05", {"grpo.branch_min_change": 0.05}),
     "min_change_q54": ("min_change_0.05 with 54 queries per step (the tokens it saves spent on "
@@ -131,14 +133,8 @@ def parse_overrides(items: list[str]) -> dict:
 
 
 def config_for(seed: int, overrides: dict) -> "config_lib.ml_collections.ConfigDict":
-    c = config_lib.get_config()
+    c = config_lib.override(config_lib.get_config(), overrides)
     c.seed = seed
-    for key, value in overrides.items():
-        node = c
-        *path, last = key.split(".")
-        for p in path:
-            node = node[p]
-        node[last] = value
     return c
 
 

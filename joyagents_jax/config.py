@@ -1,8 +1,9 @@
 """The embedded default config (`joyagents train` with no --config) and config validation.
 
-Tiny Qwen2-architecture agents with the byte tokenizer on the built-in assistant suite: SFT warm
-start, then JoyAgents-R1 GRPO (node-wise sampling, top-K marginal benefit, memory), sized to
-learn on a 2-core laptop CPU in minutes. `experiments/configs/*.py` derive the other setups.
+Tiny Qwen2-architecture agents with a BPE trained on the built-in assistant suite: SFT warm
+start, then JoyAgents-R1 GRPO (node-wise sampling at every agent's nodes, top-K marginal
+benefit, memory), sized to learn on a 2-core laptop CPU in minutes. `byte_default()` is the
+byte-tokenizer default of sessions 57-63; `experiments/configs/*.py` derive the other setups.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ SUB_AGENTS = ("qa", "efc", "gfc", "math")
 def get_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0
-    # "bytes"; "suite_bpe": a byte-level BPE trained on the run's demonstrations (~2.4x fewer
-    # ids; use the "tiny-bpe" model); or a folder with an HF tokenizer (e.g. a Qwen2.5 checkpoint)
-    c.tokenizer = "bytes"
+    # "suite_bpe": a byte-level BPE trained on the run's demonstrations (2.41x fewer ids than
+    # "bytes"; needs the "tiny-bpe" model), so SFT and GRPO steps run over shorter sequences;
+    # "bytes" (the default until session 64: `byte_default()`); or a folder with an HF
+    # tokenizer (e.g. a Qwen2.5 checkpoint).
+    c.tokenizer = "suite_bpe"
     c.dataset = "assistant_suite"  # or "gsm8k": local files in gsm8k_dir (agents master[, math])
     c.suite = "cpu"  # assistant suite config (assistant_suite.CONFIGS)
     c.gsm8k_dir = ""  # train.jsonl and test.jsonl of GSM8K (github.com/openai/grade-school-math)
@@ -27,16 +30,16 @@ def get_config() -> ml_collections.ConfigDict:
     c.agents = (protocol.MASTER,) + SUB_AGENTS
     # Agent groups: agents sharing an architecture are stacked and vmapped. model: a preset
     # name (random init) unless checkpoint names an HF folder (weights and shape from there).
-    c.groups = ml_collections.ConfigDict({"all": {"agents": c.agents, "model": "tiny",
+    c.groups = ml_collections.ConfigDict({"all": {"agents": c.agents, "model": "tiny-bpe",
                                                   "checkpoint": ""}})
     c.param_dtype = "float32"
     c.dtype = "float32"
     c.remat = False
     c.attention_impl = "xla"  # training/prefill attention: "xla", or "cudnn" flash attention (GPU)
     c.mesh = ""  # e.g. "fsdp=-1" or "data=2,fsdp=4": state and batches sharded; "": one device
-    # Longest training sequence (context + output); longer rollouts are dropped. 512: the
-    # default's demonstrations with their repeated calls reach 463 tokens (384 held the gold ones).
-    c.max_len = 512
+    # Longest training sequence (context + output); longer rollouts are dropped. 256: the suite
+    # BPE's demonstrations with their repeated calls are at most 214 ids (bytes: 463, max_len 512).
+    c.max_len = 256
     c.pad_to_max_len = True  # one GRPO-step shape: compiles once (a CPU compile costs ~30 steps)
     # GRPO rows per agent padded at least to this power of two (0: the power of two of the
     # step's most samples per agent). Micro-batches without a real row are skipped, so the
@@ -56,7 +59,8 @@ def get_config() -> ml_collections.ConfigDict:
     # them and 4 phases added 20 s of compiles to its first 12 GRPO steps (benchmarks/
     # RESULTS.md, "A decode loop that reads fewer slots"); 128-token rollouts of a 30M model
     # ran 1.09x faster with 4.
-    c.sampler = ml_collections.ConfigDict(dict(min_prompt_bucket=256, min_batch_bucket=4,
+    # min_prompt_bucket 128: the suite BPE's prompts are about half the byte ones' (bytes: 256).
+    c.sampler = ml_collections.ConfigDict(dict(min_prompt_bucket=128, min_batch_bucket=4,
                                                decode_phases=1))
 
     c.limits = ml_collections.ConfigDict(dict(max_nodes=8, max_tokens_per_node=96,
@@ -68,9 +72,11 @@ def get_config() -> ml_collections.ConfigDict:
     # first asks the wrong sub-agent, a sub-agent tries a wrong tool or repeats a call; 0: gold.
     # extra_worlds > 0 (assistant suite only) adds the train traffic of that many other worlds
     # to the demonstrations: entities the policies cannot memorize, only copy (0: the suite's).
-    # 900 steps: 600 left SFT short of converged; 900 cost ~40 s more on 2 cores and ended SFT
-    # at 0.553 on `test` (3 seeds, against 0.483), GRPO at 0.565 alone and 0.650 with the
-    # memory (against 0.487 and 0.555; benchmarks/RESULTS.md, "SFT for 900 steps").
+    # 600 steps: with the suite BPE, 900 steps nearly solved the train traffic (SFT 0.775 on
+    # `test`, train reward 0.944) and GRPO added +0.5 alone; 600 leave the policies where the
+    # byte default's 900 left them (0.550 / 0.540 / 0.610 on seeds 0-2; bytes 0.525 on seed 0)
+    # with headroom for RL; 400 ended GRPO under the 0.483 floor (benchmarks/RESULTS.md, "The
+    # suite BPE with a shorter SFT").
     # demo_redundant_call=0.6: a sub-agent repeats its tool call at 60% of the places it can, so
     # SFT imitates redundant calls that R_E charges and GRPO can remove. On gold demonstrations
     # every right answer already makes its minimum calls and calls fell only where the policies
@@ -85,7 +91,7 @@ def get_config() -> ml_collections.ConfigDict:
     # padding (0.511 real tokens, 0.799 sorted), and its warm steps ran 1.83-2.00x faster on
     # a 2-core Intel Xeon (benchmarks/RESULTS.md, "Length-sorted SFT passes"; False: one
     # [A, B, T] batch, T the step's longest row, the default until session 61).
-    c.sft = ml_collections.ConfigDict(dict(steps=900, shared_steps=900, batch_per_agent=8,
+    c.sft = ml_collections.ConfigDict(dict(steps=600, shared_steps=600, batch_per_agent=8,
                                            learning_rate=5e-3, warmup_steps=20, weight_decay=0.0,
                                            clip_norm=1.0, demo_wrong_route=0.0,
                                            demo_wrong_tool=0.0, demo_redundant_call=0.6,
@@ -99,10 +105,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.lora = ml_collections.ConfigDict(dict(rank=0, alpha=16.0, targets="q|k|v|o|gate|up|down",
                                             groups=""))
 
-    # JoyAgents-R1: node-wise sampling at the sub-agents' nodes (branch_agents; at the
+    # JoyAgents-R1: node-wise sampling at every agent's nodes (branch_agents=""; at the
     # memory's nodes too: memory_branches), every node group with a reward spread (topk=0; K > 0
-    # keeps the top K by reward variance), 36 queries per step, learning rate 3e-5, 44 steps
-    # (the sampler tokens that 30 steps branching at every agent's nodes spent on seed 0).
+    # keeps the top K by reward variance), 36 queries per step, learning rate 3e-5, 44 steps.
     # With 12 queries and K=5 a step trained 3-4 node groups, and the policies alone ended
     # +2.0 / -0.5 / +2.0 test points over SFT on 3 seeds (0.650 with the memory); with 36
     # queries and every informative group (0-39 per step) +2.5 / +8.0 /
@@ -163,15 +168,16 @@ def get_config() -> ml_collections.ConfigDict:
     # branch_agents: a comma list of config.agents whose nodes node-wise rollouts branch at
     # (G_i = group_size there); the others keep tau0's output (G_i = 1), sample no alternatives,
     # train nothing in GRPO and write no memory entries ("": every agent, the paper's joint
-    # node-wise sampling, the default until 2026-12-02 with 30 steps). The master's node groups
-    # take ~30% of a step's sampler tokens, and freezing its GRPO updates left the policies
-    # alone where they were (0.587 on the mean of the Intel host's 3 seeds, against 0.583); the
-    # sub-agents alone spend those tokens on 42-44 steps instead of 30: 0.645 / 0.570 / 0.625
-    # alone against 0.620 / 0.540 / 0.590 (30 / 12 test queries, sign test p 0.008), 0.675 /
-    # 0.595 / 0.675 with the memory against 0.710 / 0.595 / 0.655, calls falling as far
-    # (benchmarks/RESULTS.md, "Node groups at the sub-agents' nodes only: the new default").
-    # No effect outside node-wise mode.
-    # unbranched_memory: the agents outside branch_agents (the master) keep tau0's outputs, and
+    # node-wise sampling). With the suite BPE two thirds of the remaining test errors start at
+    # the master's nodes, and its node groups lift the policies alone to 0.630 / 0.610 / 0.700
+    # on seeds 0-2 against 0.605 / 0.585 / 0.640 with the sub-agents' only (0.725 / 0.695 /
+    # 0.740 with the memory against 0.700 / 0.660 / 0.680; benchmarks/RESULTS.md, "The suite
+    # BPE with a shorter SFT"). The byte default (`byte_default()`) branches at the sub-agents'
+    # nodes only ("qa,efc,gfc,math"): there freezing the master's updates cost nothing and its
+    # ~30% of the sampler tokens bought more sub-agent steps ("Node groups at the sub-agents'
+    # nodes only"). No effect outside node-wise mode.
+    # unbranched_memory: the agents outside branch_agents (none by default; the master in
+    # `byte_default()`) keep tau0's outputs, and
     # these join the memory's candidates as one-member node groups that train nothing, so the
     # memory also answers the master's repeated nodes: "eval" (the default since 2026-12-02)
     # at evaluation only, GRPO's rollouts reading the branched agents' entries as before; "all"
@@ -221,7 +227,7 @@ def get_config() -> ml_collections.ConfigDict:
         w_grounding=0.0, min_groups=0, max_refills=2, query_order="traffic",
         grounding_match="word", memory_branches=True, neg_weight=1.0, gold_branches=False,
         share_identical=True, suffix_credit=False, greedy_completions=False, self_imitation=0,
-        subagent_credit=False, branch_agents="qa,efc,gfc,math", branch_min_change=0.0,
+        subagent_credit=False, branch_agents="", branch_min_change=0.0,
         unbranched_memory="eval"))
 
     # Reuse needs a (near-)identical node input: with mean-pooled embeddings of a tiny model,
@@ -236,8 +242,11 @@ def get_config() -> ml_collections.ConfigDict:
 
     # Held-out evaluation at the end of SFT and of GRPO, and every `sft_every` SFT steps and
     # `grpo_every` GRPO steps (counted within the phase; 0: phase ends only). During GRPO it also
-    # evaluates the policies without the memory (eval_no_memory/...).
-    c.eval = ml_collections.ConfigDict(dict(sft_every=0, grpo_every=10, examples=200,
+    # evaluates the policies without the memory (eval_no_memory/...). It changes nothing the run
+    # trains; the default evaluates at the phase ends only since session 64, since its four
+    # points at GRPO steps 10-40 (grpo_every=10) took ~2.5 of its minutes on 2 cores
+    # (`benchmarks/learning_study.py --eval_every` draws the curve).
+    c.eval = ml_collections.ConfigDict(dict(sft_every=0, grpo_every=0, examples=200,
                                             splits=("test", "test_novel")))
     # every=0: only at the end of each phase and on preemption.
     c.checkpoint = ml_collections.ConfigDict(dict(every=20, keep=3))
@@ -246,6 +255,31 @@ def get_config() -> ml_collections.ConfigDict:
     c.restart = False
     # Consecutive steps dropped for a non-finite loss, gradient or update before the run stops.
     c.max_skipped_steps = 5
+    return c
+
+
+# The default of sessions 57-63 as overrides of this one (`byte_default()`).
+BYTE_DEFAULT = {"tokenizer": "bytes", "groups.all.model": "tiny", "max_len": 512,
+                "sampler.min_prompt_bucket": 256, "sft.steps": 900, "sft.shared_steps": 900,
+                "grpo.branch_agents": ",".join(SUB_AGENTS)}
+
+
+def byte_default() -> ml_collections.ConfigDict:
+    """The default of sessions 57-63: byte tokenizer, 900 SFT steps, node groups at the
+    sub-agents' nodes only. On an AMD EPYC's seeds 0-2 the policies alone ended at 0.645 /
+    0.560 / 0.585 (0.670 / 0.680 / 0.675 with the memory) on ~670k sampler tokens; seed 0 ran
+    33:52 on a 2-core Intel Xeon (benchmarks/RESULTS.md)."""
+    return override(get_config(), BYTE_DEFAULT)
+
+
+def override(c: ml_collections.ConfigDict, values: dict) -> ml_collections.ConfigDict:
+    """`c` with {"dotted.key": value} set in place (e.g. {"grpo.topk": 2})."""
+    for key, value in values.items():
+        node = c
+        *path, last = key.split(".")
+        for part in path:
+            node = node[part]
+        node[last] = value
     return c
 
 

@@ -142,7 +142,7 @@ def test_rollouts_read_the_unbranched_agents_memory_unless_eval(choice, agents):
     """grpo.unbranched_memory="eval": GRPO's rollouts read only the branched agents' entries;
     "all" (and "off", which writes none for the others) read every agent's."""
     c = config_lib.get_config()
-    c.grpo.unbranched_memory = choice
+    c.grpo.update(unbranched_memory=choice, branch_agents="qa,efc,gfc,math")
     assert components.rollout_memory_agents(c) == agents
     c.grpo.branch_agents = ""
     assert components.rollout_memory_agents(c) == ()

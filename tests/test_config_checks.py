@@ -19,7 +19,7 @@ def _with(**overrides) -> ml_collections.ConfigDict:
     return c
 
 
-def test_the_default_and_real_checkpoint_configs_are_valid(tmp_path):
+def test_the_default_byte_and_real_checkpoint_configs_are_valid(tmp_path):
     assert config_checks.problems(config_lib.get_config()) == []
     (tmp_path / "config.json").write_text("{}")
     real = config_lib.real_checkpoint_config({"all": (config_lib.get_config().agents,
@@ -30,7 +30,7 @@ def test_the_default_and_real_checkpoint_configs_are_valid(tmp_path):
     assert config_checks.problems(real) == [
         "config.groups.all.checkpoint is set with config.tokenizer='suite_bpe': a checkpoint has "
         "its own tokenizer; set config.tokenizer to its folder."]
-    assert config_checks.problems(_with(tokenizer="suite_bpe", groups__all__model="tiny-bpe")) == []
+    assert config_checks.problems(config_lib.byte_default()) == []
 
 
 @pytest.mark.parametrize("overrides, fragment", [
@@ -90,12 +90,13 @@ def test_the_default_and_real_checkpoint_configs_are_valid(tmp_path):
     ({"grpo__greedy_completions": True, "grpo__tempered_loss": True},
      "config.grpo.greedy_completions=True with grpo.tempered_loss=True: greedy outputs"),
     ({"groups__all__model": "qwen9"}, "config.groups.all.model='qwen9': not a preset"),
-    ({"groups__all__checkpoint": "/nonexistent/qwen"}, "no config.json there"),
+    ({"groups__all__checkpoint": "/nonexistent/qwen", "tokenizer": "bytes"},
+     "no config.json there"),
     ({"tokenizer": "/nonexistent/tok"}, "config.tokenizer='/nonexistent/tok': not a folder"),
     ({"pad_rows_to": 48}, "config.pad_rows_to=48: must be a power of two or 0"),
     ({"pad_rows_to": -1}, "config.pad_rows_to=-1: must be >= 0"),
-    ({"tokenizer": "suite_bpe"}, "config.groups.all.model='tiny' has a vocabulary of 264"),
-    ({"tokenizer": "suite_bpe", "groups__all__model": "base-120m"}, "use model 'tiny-bpe'"),
+    ({"groups__all__model": "tiny"}, "config.groups.all.model='tiny' has a vocabulary of 264"),
+    ({"groups__all__model": "base-120m"}, "use model 'tiny-bpe'"),
     ({"suite": "huge"}, "config.suite='huge': not one of"),
     ({"eval__splits": ("test", "dev")}, "config.eval.splits=['test', 'dev']"),
     ({"mesh": "data=3,fsdp=5"}, "config.mesh='data=3,fsdp=5'"),
@@ -120,9 +121,10 @@ def test_each_mistake_is_one_line_naming_the_key(overrides, fragment):
 
 
 def test_branch_agents_must_list_an_agent_of_the_config():
-    """The default branches at the sub-agents' nodes: a master-only config would form no node
-    group and train nothing, which is refused; listing every agent ("") is valid."""
-    c = _with(agents=("master",), groups__all__agents=("master",), dataset="gsm8k")
+    """Branching at the sub-agents' nodes only (the byte default's), a master-only config would
+    form no node group and train nothing, which is refused; listing every agent ("") is valid."""
+    c = _with(agents=("master",), groups__all__agents=("master",), dataset="gsm8k",
+              grpo__branch_agents="qa,efc,gfc,math")
     found = [p for p in config_checks.problems(c) if "branch_agents" in p]
     assert found == ["config.grpo.branch_agents='qa,efc,gfc,math': lists none of config.agents "
                      "(master), so no node group forms and GRPO trains nothing; list some of "
@@ -181,3 +183,21 @@ def test_extra_worlds_are_refused_outside_the_assistant_suite():
     found = config_checks.problems(_with(sft__extra_worlds=2, dataset="gsm8k", gsm8k_dir="/x"))
     assert any("config.sft.extra_worlds=2: other worlds exist only for the assistant suite"
                in p for p in found), found
+
+
+def test_override_sets_dotted_keys_in_place():
+    c = config_lib.get_config()
+    out = config_lib.override(c, {"grpo.topk": 2, "groups.all.model": "small-30m", "seed": 3})
+    assert out is c and (c.grpo.topk, c.groups.all.model, c.seed) == (2, "small-30m", 3)
+
+
+def test_byte_default_is_the_default_of_sessions_57_to_63():
+    """The old default stays reachable: bytes, the byte model, 900 SFT steps, node groups at the
+    sub-agents' nodes only; building it leaves the embedded default as it is."""
+    c = config_lib.byte_default()
+    assert (c.tokenizer, c.groups.all.model, c.max_len, c.sampler.min_prompt_bucket,
+            c.sft.steps, c.sft.shared_steps, c.grpo.branch_agents) == (
+        "bytes", "tiny", 512, 256, 900, 900, "qa,efc,gfc,math")
+    d = config_lib.get_config()
+    assert (d.tokenizer, d.groups.all.model, d.max_len, d.sft.steps, d.grpo.branch_agents) == (
+        "suite_bpe", "tiny-bpe", 256, 600, "")

@@ -23,7 +23,8 @@ def _load(name: str):
 @pytest.mark.parametrize("arg, field, value", [
     ("mode=trajectory", "grpo.mode", "trajectory"), ("topk=2", "grpo.topk", 2),
     ("memory=off", "memory.enabled", False), ("sft_only=true", "grpo.steps", 0),
-    ("seed=3", "seed", 3)])
+    ("seed=3", "seed", 3), ("preset=bytes", "tokenizer", "bytes"),
+    ("topk=2,preset=bytes", "grpo.topk", 2), ("preset=bytes", "grpo.branch_agents", "qa,efc,gfc,math")])
 def test_assistant_tiny_args(arg, field, value):
     c = _load("assistant_tiny")(arg)
     config_checks.validate(c)
@@ -36,6 +37,8 @@ def test_assistant_tiny_args(arg, field, value):
 def test_bad_args_are_named():
     with pytest.raises(ValueError, match="unknown arg 'colour'"):
         _load("assistant_tiny")("colour=red")
+    with pytest.raises(ValueError, match="preset='bpe'; use default or bytes"):
+        _load("assistant_tiny")("preset=bpe")
     with pytest.raises(ValueError, match="needs the checkpoint folder"):
         _load("qwen2p5_3b")("")
     with pytest.raises(ValueError, match="starts with single or multi"):

@@ -28,14 +28,7 @@ TIMING = ("seconds", "tokens_per_second", "time/")  # wall-clock metrics differ 
 
 
 def _config(**extra):
-    c = config_lib.get_config()
-    for key, value in {**OVERRIDES, **extra}.items():
-        node = c
-        *path, last = key.split(".")
-        for p in path:
-            node = node[p]
-        node[last] = value
-    return c
+    return config_lib.override(config_lib.get_config(), {**OVERRIDES, **extra})
 
 
 def _cli_args(workdir, **extra):
@@ -302,7 +295,8 @@ def test_vocab_mismatch_is_named(tmp_path, data_dir):
     folder = tmp_path / "small_vocab"
     build_hf_qwen2(folder, **TINY_CONFIGS["tied_kv1"])  # 97 tokens < the byte tokenizer's 264
     with pytest.raises(ValueError, match=r"vocabulary \(97\) is smaller than the tokenizer's"):
-        train.train(_config(data_dir=data_dir, **{"groups.all.checkpoint": str(folder)}),
+        train.train(_config(data_dir=data_dir, tokenizer="bytes",
+                            **{"groups.all.checkpoint": str(folder)}),
                     str(tmp_path / "bad"))
 
 
@@ -540,21 +534,24 @@ def test_sorted_passes_run_the_shared_sft_phase(data_dir, tmp_path):
 
 
 def test_a_suite_bpe_run_trains_its_own_tokenizer_once_and_exports_it(data_dir, tmp_path):
-    """config.tokenizer=suite_bpe: <workdir>/tokenizer is trained on the demonstrations at the
-    first start, read back (not retrained) on resume, and exported for transformers; the
-    demonstrations take fewer ids than bytes; the tiny default model has no room for it."""
+    """config.tokenizer=suite_bpe (the default): <workdir>/tokenizer is trained on the
+    demonstrations at the first start, read back (not retrained) on resume, and exported for
+    transformers; the demonstrations take fewer ids than bytes; the byte-level "tiny" model has
+    no room for it."""
     import transformers
 
-    bpe = {"tokenizer": "suite_bpe", "groups.all.model": "tiny-bpe", "max_len": 256}
     with pytest.raises(ValueError, match="use model 'tiny-bpe'"):
-        train.train(_config(data_dir=data_dir, tokenizer="suite_bpe"), str(tmp_path / "bad"))
+        train.train(_config(data_dir=data_dir, **{"groups.all.model": "tiny"}),
+                    str(tmp_path / "bad"))
     workdir = tmp_path / "bpe"
-    train.train(_config(data_dir=data_dir, **bpe), str(workdir))
+    train.train(_config(data_dir=data_dir), str(workdir))
     file = workdir / "tokenizer" / "suite_bpe.json"
     built = file.stat().st_mtime_ns
     exp, _ = evaluate.load_run(str(workdir))
     assert file.stat().st_mtime_ns == built and exp.tokenizer.path == file
-    byte_exp = evaluate.experiment.Experiment(_config(data_dir=data_dir), str(tmp_path / "b"))
+    byte_exp = evaluate.experiment.Experiment(
+        _config(data_dir=data_dir, tokenizer="bytes", max_len=512, **{"groups.all.model": "tiny"}),
+        str(tmp_path / "b"))
     bpe_ids = sum(len(c) + len(o) for pool in exp.demos.values() for c, o in pool)
     byte_ids = sum(len(c) + len(o) for pool in byte_exp.demos.values() for c, o in pool)
     assert bpe_ids < byte_ids / 2

@@ -27,6 +27,7 @@ def get_config(arg: str = "multi"):
         c.limits.update(max_tokens_per_node=512)
     else:
         c = config_lib.get_config()
+        c.tokenizer = "bytes"  # byte-level, as the docstring says: the "tiny" preset holds 264 ids
         c.groups = {"all": {"agents": agents, "model": "tiny", "checkpoint": ""}}
         c.max_len = 1024
         c.limits.update(max_tokens_per_node=384, max_observation_chars=384)
