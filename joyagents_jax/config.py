@@ -177,9 +177,9 @@ def get_config() -> ml_collections.ConfigDict:
     # ~30% of the sampler tokens bought more sub-agent steps ("Node groups at the sub-agents'
     # nodes only"). No effect outside node-wise mode.
     # unbranched_memory: the agents outside branch_agents (none by default; the master in
-    # `byte_default()`) keep tau0's outputs, and
-    # these join the memory's candidates as one-member node groups that train nothing, so the
-    # memory also answers the master's repeated nodes: "eval" (the default since 2026-12-02)
+    # `byte_default()`) keep tau0's outputs, and these join the memory's candidates as
+    # one-member node groups that train nothing, so the memory also answers the master's
+    # repeated nodes: "eval" (the default since 2026-12-02)
     # at evaluation only, GRPO's rollouts reading the branched agents' entries as before; "all"
     # in the rollouts too; "off": the unbranched agents write no entries. On the Intel host's
     # seeds 0-2 "eval" trained exactly what "off" trains (the same steps, tokens and answers of
@@ -261,7 +261,7 @@ def get_config() -> ml_collections.ConfigDict:
 # The default of sessions 57-63 as overrides of this one (`byte_default()`).
 BYTE_DEFAULT = {"tokenizer": "bytes", "groups.all.model": "tiny", "max_len": 512,
                 "sampler.min_prompt_bucket": 256, "sft.steps": 900, "sft.shared_steps": 900,
-                "grpo.branch_agents": ",".join(SUB_AGENTS)}
+                "grpo.branch_agents": ",".join(SUB_AGENTS), "eval.grpo_every": 10}
 
 
 def byte_default() -> ml_collections.ConfigDict:
@@ -304,7 +304,6 @@ def real_checkpoint_config(groups: dict[str, tuple[tuple[str, ...], str]]
                  warmup_steps=20, demo_redundant_call=0.0)  # gold demonstrations
     c.grpo.update(steps=300, queries=32, group_size=8, learning_rate=1e-6, warmup_steps=10,
                   topk=16, temperature=0.7)  # 0.3 is for the tiny default's weak samples
-    c.grpo.branch_agents = ""  # every agent evolves, as in the paper (sub-agents only: tiny)
     c.memory.update(capacity=4096, response_len=256, request_len=256)
     c.eval.update(sft_every=50, grpo_every=50, examples=500)
     c.checkpoint.update(every=25, keep=3)
