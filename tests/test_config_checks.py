@@ -19,7 +19,7 @@ def _with(**overrides) -> ml_collections.ConfigDict:
     return c
 
 
-def test_the_default_byte_and_real_checkpoint_configs_are_valid(tmp_path):
+def test_the_default_the_byte_default_and_real_checkpoint_configs_are_valid(tmp_path):
     assert config_checks.problems(config_lib.get_config()) == []
     (tmp_path / "config.json").write_text("{}")
     real = config_lib.real_checkpoint_config({"all": (config_lib.get_config().agents,

@@ -24,7 +24,8 @@ def _load(name: str):
     ("mode=trajectory", "grpo.mode", "trajectory"), ("topk=2", "grpo.topk", 2),
     ("memory=off", "memory.enabled", False), ("sft_only=true", "grpo.steps", 0),
     ("seed=3", "seed", 3), ("preset=bytes", "tokenizer", "bytes"),
-    ("topk=2,preset=bytes", "grpo.topk", 2), ("preset=bytes", "grpo.branch_agents", "qa,efc,gfc,math")])
+    ("topk=2,preset=bytes", "grpo.topk", 2),
+    ("preset=bytes", "grpo.branch_agents", "qa,efc,gfc,math")])
 def test_assistant_tiny_args(arg, field, value):
     c = _load("assistant_tiny")(arg)
     config_checks.validate(c)
