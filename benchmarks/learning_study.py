@@ -215,6 +215,8 @@ def run_variant(root: str, seed: int, name: str, tokens: int, max_steps: int,
             point = {"step": k + 1, "tokens": generated, "accuracy": m["grpo/accuracy"],
                      "reward": m["grpo/reward"], "grounding": m["grpo/grounding"],
                      "mixed_groups": m["grpo/mixed_groups"], "kept_groups": m["grpo/kept_groups"],
+                     "offpolicy_mixed_groups": m["grpo/offpolicy_mixed_groups"],
+                     "offpolicy_kept_groups": m["grpo/offpolicy_kept_groups"],
                      "updated_agents": m["grpo/updated_agents"]}
             if eval_every and (k + 1) % eval_every == 0:
                 point["test_acc_no_memory"] = exp.evaluate(run, "test", SPLITS["test"],

@@ -37,6 +37,10 @@ from joyagents_jax.sampling import Sampler
 from joyagents_jax.tokenizers import (BPETokenizer, ByteTokenizer, Tokenizer, load_tokenizer,
                                       train_suite_bpe)
 
+# The GRPO step's counts logged as grpo/<name> each step (0 where no step ran).
+STEP_COUNTS = ("kept_groups", "mixed_groups", "offpolicy_kept_groups", "offpolicy_mixed_groups",
+               "updated_agents", "skipped")
+
 
 def task_of(ex: suite.Example) -> rollout.Task:
     return rollout.Task(ex.query, ex.answer, ex.answer_kind, ex.min_llm_calls,
@@ -493,8 +497,7 @@ class Experiment:
         metrics.update(self._per_agent({g: {k: v for k, v in agent_m.items()
                                             if k != "mean_reward"}
                                         for g, agent_m in m["agents"].items()}, "grpo"))
-        metrics.update({f"grpo/{k}": float(m[k]) for k in ("kept_groups", "mixed_groups",
-                                                            "updated_agents", "skipped")})
+        metrics.update({f"grpo/{k}": float(m[k]) for k in STEP_COUNTS})
         return train
 
     def _self_imitation(self, train: ts.TrainState, tables: dict[str, mem.MemoryTable],
@@ -530,8 +533,7 @@ class Experiment:
         """The rollout's cost counters and training-traffic reward; update metrics at 0 until
         a step runs."""
         c = result.counters
-        return {**{f"grpo/{k}": 0.0 for k in ("kept_groups", "mixed_groups", "updated_agents",
-                                                "skipped")},
+        return {**{f"grpo/{k}": 0.0 for k in STEP_COUNTS},
                 "time/update_seconds": 0.0,
                 "grpo/accuracy": float(np.mean([r.r_answer for r in result.rewards])),
                 "grpo/reward": float(np.mean([r.total for r in result.rewards])),

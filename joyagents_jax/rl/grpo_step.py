@@ -129,6 +129,19 @@ def marginal_benefit(batch: GRPOBatch, num_agents: int, cfg: GRPOStepConfig
     return var, kept, grpo.agent_update_mask(kept, owner, num_agents)
 
 
+def offpolicy_groups(batch: GRPOBatch) -> jax.Array:
+    """[G] bool: node groups holding a member the policy did not sample (a memory or gold
+    output, marked by NaN sampler log-probs on its targets): with `marginal_benefit`'s kept
+    groups it tells how much of an update imitates stored answers."""
+    flags = jnp.concatenate([
+        jnp.any(jnp.isnan(r.sampler_logp[..., 1:]) & r.loss_mask[..., 1:], -1).reshape(-1)
+        for _, r in sorted(batch.rollouts.items())])
+    ids, num_groups = _flat(batch.rollouts, "group_ids"), batch.group_agent.shape[0]
+    hits = jax.ops.segment_sum(flags.astype(jnp.int32), jnp.where(ids >= 0, ids, num_groups),
+                               num_groups + 1)
+    return hits[:num_groups] > 0
+
+
 def advantages(batch: GRPOBatch, cfg: GRPOStepConfig) -> dict[str, jax.Array]:
     """Group-relative advantage of every sample, negatives scaled by cfg.neg_weight:
     {group: [A, B]}."""
@@ -329,7 +342,8 @@ def grpo_step(state: ts.TrainState, batch: GRPOBatch, cfg: GRPOStepConfig
               ) -> tuple[ts.TrainState, dict]:
     """One GRPO update of every agent; see the module docstring.
 
-    Metrics: {"kept_groups", "mixed_groups", "updated_agents", "skipped": [],
+    Metrics: {"kept_groups", "mixed_groups", "offpolicy_kept_groups", "offpolicy_mixed_groups"
+              (those holding a memory or gold member), "updated_agents", "skipped": [],
               "agents": {group: {loss, pg_loss, kl_loss, kl, clip_frac, ratio_mean, ratio_max,
                                  entropy, grad_norm, kept_groups, updated, mean_reward,
                                  logprob_gap: [A]}}}.
@@ -366,7 +380,10 @@ def grpo_step(state: ts.TrainState, batch: GRPOBatch, cfg: GRPOStepConfig
         agents[name] = {**_reduce_inner(inner[name]), **agents[name],
                         "logprob_gap": jax.vmap(_masked_mean)(gap, targets[name] & sampled)}
     new = ts.commit(state, groups, ok)
+    offpolicy = offpolicy_groups(batch)
     metrics = {"kept_groups": jnp.sum(kept), "mixed_groups": jnp.sum(var > 0),
+               "offpolicy_kept_groups": jnp.sum(kept & offpolicy),
+               "offpolicy_mixed_groups": jnp.sum((var > 0) & offpolicy),
                "updated_agents": jnp.sum(update), "skipped": new.skipped > state.skipped,
                "agents": agents}
     return new, metrics

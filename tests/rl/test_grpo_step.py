@@ -101,6 +101,18 @@ def test_select_spans_every_agent_group(select, k, kept):
     np.testing.assert_array_equal(np.nonzero(update)[0], sorted(set(GROUP_AGENT[kept])))
 
 
+def test_offpolicy_groups_are_those_holding_a_nan_sampler_logprob_target():
+    batch = _batch()
+    subs = batch.rollouts["subs"]
+    logp = subs.sampler_logp.at[0, 3, -1].set(jnp.nan)  # g2: one target token unsampled
+    logp = logp.at[1, 0, 0].set(jnp.nan)  # g3: NaN on the first token only (never a target)
+    logp = logp.at[2, 2].set(jnp.nan)  # a padding sample: no group
+    batch = batch.replace(rollouts={**batch.rollouts, "subs": subs.replace(sampler_logp=logp)})
+    got = jax.jit(gs.offpolicy_groups)(batch)
+    chex.assert_shape(got, (len(GROUP_AGENT),))
+    np.testing.assert_array_equal(got, [False, False, True, False, False, False])
+
+
 def test_advantages_are_per_node_group():
     adv = gs.advantages(_batch(), gs.GRPOStepConfig(advantage="no_std"))
     np.testing.assert_allclose(adv["master"], [[0.5, -0.5, 0.5, -0.5]])
@@ -210,6 +222,10 @@ def test_memory_outputs_nan_sampler_logprobs_train_alike_and_leave_the_gap(step)
     gap = np.asarray(m_memory["agents"]["subs"]["logprob_gap"])
     assert np.all(np.isfinite(gap))
     np.testing.assert_allclose(gap, np.log(32), rtol=0.02)
+    # Its group g3 has a reward spread and is kept (K = 2): counted as an off-policy group.
+    for metrics, want in ((m_plain, 0), (m_memory, 1)):
+        counts = (int(metrics["offpolicy_mixed_groups"]), int(metrics["offpolicy_kept_groups"]))
+        assert counts == (want, want)
 
 
 @pytest.mark.parametrize("aggregation", ["seq_mean_token_mean", "token_mean"])
