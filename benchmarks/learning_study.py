@@ -120,6 +120,12 @@ VARIANTS = {
                            "greedily", {"grpo.greedy_completions": True}),
     "greedy_t06": ("greedy_completions, the branch node's alternatives sampled at temperature "
                    "0.6", {"grpo.greedy_completions": True, "grpo.temperature": 0.6}),
+    "replay": ("the default, each step re-asking up to 12 of the previous step's queries that "
+               "had a node group with a reward spread", {"grpo.replay": 12}),
+    "trajectory_replay": ("trajectory GRPO (no memory) re-asking up to 12 of the previous "
+                          "step's queries that had a reward spread",
+                          {"grpo.mode": "trajectory", "grpo.topk": 0, "memory.enabled": False,
+                           "grpo.replay": 12}),
 }
 MAIN = ("sft_only", "trajectory", "nodewise_all", "nodewise_topk", "joyagents")
 SPLITS = {"test": 200, "test_novel": 50}

@@ -218,6 +218,11 @@ def get_config() -> ml_collections.ConfigDict:
     # memory). With 8 the policies alone ended at 0.590 / 0.555 on two seeds against the
     # default's 0.620 / 0.540 and trajectory GRPO's 0.620 / 0.570 (benchmarks/RESULTS.md,
     # "Self-imitation in the package").
+    # replay = R > 0: each GRPO step asks again (in place of R fresh traffic queries) up to R of
+    # the previous step's queries that had a node group with a reward spread, the ones GRPO
+    # just learned from, while the memory holds that step's best outputs for their nodes: the
+    # memory answers them in the rollout and its outputs join node groups (memory_branches),
+    # so its answers train the policies again (0: every query fresh, from `query_order`).
     c.grpo = ml_collections.ConfigDict(dict(
         steps=44, queries=36, group_size=4, mode="nodewise", topk=0, select="groups",
         micro_batch=16, inner_steps=2, beta=0.04, eps_low=0.2, eps_high=0.28, kl="k3",
@@ -228,7 +233,7 @@ def get_config() -> ml_collections.ConfigDict:
         grounding_match="word", memory_branches=True, neg_weight=1.0, gold_branches=False,
         share_identical=True, suffix_credit=False, greedy_completions=False, self_imitation=0,
         subagent_credit=False, branch_agents="", branch_min_change=0.0,
-        unbranched_memory="eval"))
+        unbranched_memory="eval", replay=0))
 
     # Reuse needs a (near-)identical node input: with mean-pooled embeddings of a tiny model,
     # different prompts of one agent reach cosine 0.9996 (measured). Hints are off by default

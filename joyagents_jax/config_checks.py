@@ -303,7 +303,14 @@ def _grpo(c) -> Iterator[str]:
                             why="rows per agent of each step's supervised step; 0 = off"),
                     _number(c, "grpo.branch_min_change", low=0, high=1, high_open=True,
                             why="a chance that a sample differs from tau0's; 0 branches at "
-                                "every node"))
+                                "every node"),
+                    _number(c, "grpo.replay", low=0, integer=True,
+                            why="queries asked again the next step; 0 = off"))
+    if isinstance(g.replay, int) and isinstance(g.queries, int) and g.replay >= g.queries >= 1:
+        yield (f"config.grpo.replay={g.replay}: a step re-asks at most grpo.replay of the "
+               f"previous step's queries in place of fresh ones, so it must stay below "
+               f"grpo.queries={g.queries} for every step to see new traffic. Lower grpo.replay "
+               f"or raise grpo.queries.")
     if g.memory_groups == "drop" and g.mode == "full_tree":
         yield ("config.grpo.memory_groups=drop: full_tree rollouts do not mark memory-answered "
                "episodes; use grpo.mode=nodewise or trajectory, or memory_groups=keep.")

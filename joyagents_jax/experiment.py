@@ -225,7 +225,8 @@ class Experiment:
         train = self._place(run.train.replace(groups=groups))
         tables = ({} if self.memory is None else sharding.replicate(memory_hook.init_tables(
             self.parts.memory, memory_hook.group_models(train)), self.mesh))
-        return run.replace(train=train, memory=tables, phase="grpo")
+        replay = self._replay_array([]) if self.config.grpo.replay else None
+        return run.replace(train=train, memory=tables, replay=replay, phase="grpo")
 
     def _place(self, state: ts.TrainState) -> ts.TrainState:
         """The state in its partition-rule shardings on the mesh, or committed to the one
@@ -367,15 +368,47 @@ class Experiment:
             first.setdefault(suite.decode(source[i]).question_id, i)
         return sorted(first.values())
 
-    def train_tasks(self, k: int) -> list[rollout.Task]:
-        """GRPO step k's queries: a seeded permutation of the pool per epoch, read in order."""
+    def train_records(self, k: int) -> list[int]:
+        """GRPO step k's fresh queries as train record indices: a seeded permutation of the
+        pool per epoch, read in order."""
         pool, q = self.grpo_pool, self.config.grpo.queries
         out = []
         for i in range(k * q, (k + 1) * q):
             epoch, pos = divmod(i, len(pool))
             order = np.random.default_rng([self.config.seed, 7, epoch]).permutation(len(pool))
-            out.append(task_of(suite.decode(self.sources["train"][pool[int(order[pos])]])))
+            out.append(pool[int(order[pos])])
         return out
+
+    def task(self, record: int) -> rollout.Task:
+        return task_of(suite.decode(self.sources["train"][record]))
+
+    def train_tasks(self, k: int) -> list[rollout.Task]:
+        """GRPO step k's fresh queries."""
+        return [self.task(i) for i in self.train_records(k)]
+
+    @staticmethod
+    def replayed(run: RunState) -> list[int]:
+        """The train records `run.replay` re-asks (none with replay off)."""
+        return [] if run.replay is None else [
+            int(i) for i in distributed.to_host(run.replay) if i >= 0]
+
+    def step_records(self, run: RunState, k: int) -> list[int]:
+        """GRPO step k's train records: the replayed ones, then step k's fresh ones up to
+        `grpo.queries` in all."""
+        replayed, fresh = self.replayed(run), self.train_records(k)
+        return replayed + fresh[:len(fresh) - len(replayed)]
+
+    def next_replay(self, records: Sequence[int], samples: Sequence[rollout.Sample]
+                    ) -> jax.Array:
+        """[R] int32 (R = `grpo.replay`): the step's queries (`records`, in the rollout's order)
+        that had a node group with a reward spread, the first R of them, so the next step asks
+        them again while the memory holds this step's best outputs for them; -1 pads."""
+        spread = sorted({s.query for s in batching.informative(samples) if s.query < len(records)})
+        return self._replay_array([records[q] for q in spread][:int(self.config.grpo.replay)])
+
+    def _replay_array(self, records: list[int]) -> jax.Array:
+        padded = records + [-1] * (int(self.config.grpo.replay) - len(records))
+        return sharding.replicate(jax.numpy.asarray(padded, jax.numpy.int32), self.mesh)
 
     def policy(self, train: ts.TrainState, key: jax.Array, greedy: bool = False
                ) -> rollout.SamplerPolicy:
@@ -405,12 +438,15 @@ class Experiment:
         3. the marginal-benefit update: each agent's top-K node groups by reward variance, one
            clipped GRPO step of every selected agent;
         4. the memory update, fed by the same rollout's rewards;
-        5. with `grpo.self_imitation`, a supervised step on the memory's best entries.
+        5. with `grpo.self_imitation`, a supervised step on the memory's best entries;
+        6. with `grpo.replay`, the queries the next step asks again.
         """
         start, k = time.perf_counter(), int(run.step) - self.config.sft.steps
-        result, refills = self._rollout(run, k)
+        records = self.step_records(run, k)
+        result, refills = self._rollout(run, k, [self.task(i) for i in records])
         metrics = self._rollout_metrics(result, time.perf_counter() - start)
         metrics["rollout/refills"] = refills
+        metrics["rollout/replayed"] = len(self.replayed(run))
         trained = self._trainable(result.samples, metrics)
         train = run.train
         if trained:  # else no node group has a reward spread: nothing to learn, no step
@@ -426,10 +462,12 @@ class Experiment:
             if self.config.grpo.self_imitation:
                 train = self._self_imitation(train, tables, int(run.step), metrics)
         metrics["time/step_seconds"] = time.perf_counter() - start
-        return run.next(train, tables), metrics
+        replay = None if run.replay is None else self.next_replay(records, result.samples)
+        return run.next(train, tables, replay), metrics
 
-    def _rollout(self, run: RunState, k: int) -> tuple[rollout.RolloutResult, int]:
-        """GRPO step k's rollout of `grpo.queries` queries. With dynamic sampling
+    def _rollout(self, run: RunState, k: int, tasks: list[rollout.Task]
+                 ) -> tuple[rollout.RolloutResult, int]:
+        """GRPO step k's rollout of its `tasks`. With dynamic sampling
         (`grpo.min_groups` > 0, DAPO's refill) up to `grpo.max_refills` more batches of fresh
         queries are rolled out while fewer than min_groups node groups have a reward spread,
         so a step still has something to learn once most of the traffic's samples agree.
@@ -440,7 +478,7 @@ class Experiment:
                   if self.config.memory.in_rollouts else None)
         roll = lambda tasks, key: rollout.Rollout(self.system, self.tokenizer, self.policy(
             run.train, key), self.parts.rollout, memory).run(tasks)
-        result, r = roll(self.train_tasks(k), key), 0
+        result, r = roll(tasks, key), 0
         while g.min_groups and r < g.max_refills and len(
                 {s.group for s in self._filter(result.samples)[-1]}) < g.min_groups:
             r += 1

@@ -54,11 +54,12 @@ def test_grpo_raises_the_reward_of_fixed_training_queries(tmp_path):
     run = exp.init_run()
     for _ in range(SFT_STEPS):
         run, _ = exp.sft_iteration(run)
-    fixed = exp.train_tasks(0)
+    records = exp.train_records(0)
+    fixed = [exp.task(i) for i in records]
     before = _rewards(exp, run, fixed)
 
     run = exp.start_grpo(run)
-    exp.train_tasks = lambda k: fixed  # every GRPO step sees the same queries
+    exp.train_records = lambda k: records  # every GRPO step sees the same queries
     trained = []
     for _ in range(GRPO_STEPS):
         run, m = exp.grpo_iteration(run)

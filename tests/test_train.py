@@ -379,7 +379,7 @@ def test_dynamic_sampling_refills_with_fresh_queries_and_keeps_the_first_rollout
     def rollout_of(**extra):
         exp = evaluate.experiment.Experiment(_config(data_dir=data_dir, **extra),
                                              str(tmp_path / str(len(extra))))
-        return exp, exp._rollout(exp.start_grpo(exp.init_run()), 0)
+        return exp, exp._rollout(exp.start_grpo(exp.init_run()), 0, exp.train_tasks(0))
 
     _, (plain, none) = rollout_of()
     exp, (merged, refills) = rollout_of(**{"grpo.min_groups": 10**6, "grpo.max_refills": 2})
@@ -394,6 +394,43 @@ def test_dynamic_sampling_refills_with_fresh_queries_and_keeps_the_first_rollout
         np.testing.assert_array_equal(a.output_ids, b.output_ids)
     assert {s.group for s in plain.samples}.isdisjoint(s.group for s in merged.samples[n:])
     assert merged.counters.generated_tokens > plain.counters.generated_tokens
+
+
+def test_replay_reasks_the_queries_with_a_reward_spread_and_checkpoints_them(data_dir, tmp_path):
+    """grpo.replay=R: the next step starts with the step's queries that had a node group with a
+    reward spread (the first R in rollout order; a refill's queries are not among them), then
+    fresh ones up to grpo.queries; the run state carries them through a checkpoint."""
+    exp = evaluate.experiment.Experiment(
+        _config(data_dir=data_dir, **{"grpo.queries": 3, "grpo.replay": 2}), str(tmp_path / "r"))
+    run = exp.start_grpo(exp.init_run())
+    run = run.replace(step=run.step + exp.config.sft.steps)  # GRPO's first step
+    chex.assert_trees_all_equal(run.replay, np.array([-1, -1], np.int32))
+    records = exp.step_records(run, 0)
+    assert records == exp.train_records(0) and len(set(records)) == 3
+
+    def sample(query, group, reward):
+        return rollout.Sample("qa", [1], np.zeros(1, np.int32), np.zeros(1, np.float32), reward,
+                              reward, group, query, 0)
+
+    agree = [sample(0, 0, 1.0), sample(0, 0, 1.0)]
+    spread = [sample(2, 2, 0.0), sample(2, 2, 0.5), sample(1, 1, 1.0), sample(1, 1, 0.0)]
+    refill = [sample(3, 3, 0.0), sample(3, 3, 1.0)]
+    replay = exp.next_replay(records, agree + spread + refill)
+    chex.assert_trees_all_equal(replay, np.array([records[1], records[2]], np.int32))
+    chex.assert_trees_all_equal(exp.next_replay(records, agree + spread[:2]),
+                                np.array([records[2], -1], np.int32))
+    run = run.replace(replay=replay)
+    assert exp.step_records(run, 1) == [records[1], records[2], exp.train_records(1)[0]]
+
+    with checkpoint.Checkpointer(str(tmp_path / "ckpt")) as ckpt:
+        ckpt.save(3, run.without_bases(), {"step": 3, "phase": "grpo"}, force=True)
+    with checkpoint.Checkpointer(str(tmp_path / "ckpt")) as ckpt:
+        restored = train.restore(exp, ckpt)
+    chex.assert_trees_all_equal(restored.replay, replay)
+
+    after, m = exp.grpo_iteration(run)  # the loop reads and writes it
+    assert m["rollout/replayed"] == 2
+    assert after.replay.shape == (2,) and int(after.step) == int(run.step) + 1
 
 
 def test_question_order_visits_every_distinct_train_question_once_per_epoch(data_dir, tmp_path):
@@ -575,7 +612,7 @@ def test_grpo_rows_are_padded_to_pad_rows_to(data_dir, tmp_path, monkeypatch):
     exp = evaluate.experiment.Experiment(_config(data_dir=data_dir, pad_rows_to=8),
                                          str(tmp_path / "w"))
     run = exp.start_grpo(exp.init_run())
-    rollout_result, _ = exp._rollout(run, 0)
+    rollout_result, _ = exp._rollout(run, 0, exp.train_tasks(0))
     train_state = run.train
     for n in (1, 3):
         train_state = exp._update(train_state, rollout_result.samples[:n], {})
