@@ -32,6 +32,7 @@ from joyagents_jax.models import hf_io, lora, presets, qwen2
 from joyagents_jax.rl import grpo_step, memory_hook, rollout
 from joyagents_jax.rl import memory as mem
 from joyagents_jax.rl import self_imitation
+from joyagents_jax import run_state
 from joyagents_jax.run_state import RunState
 from joyagents_jax.sampling import Sampler
 from joyagents_jax.tokenizers import (BPETokenizer, ByteTokenizer, Tokenizer, load_tokenizer,
@@ -225,7 +226,7 @@ class Experiment:
         train = self._place(run.train.replace(groups=groups))
         tables = ({} if self.memory is None else sharding.replicate(memory_hook.init_tables(
             self.parts.memory, memory_hook.group_models(train)), self.mesh))
-        replay = self._replay_array([]) if self.config.grpo.replay else None
+        replay = self._replay_array([]) if self.config.grpo.replay else run_state.OFF
         return run.replace(train=train, memory=tables, replay=replay, phase="grpo")
 
     def _place(self, state: ts.TrainState) -> ts.TrainState:
@@ -389,8 +390,7 @@ class Experiment:
     @staticmethod
     def replayed(run: RunState) -> list[int]:
         """The train records `run.replay` re-asks (none with replay off)."""
-        return [] if run.replay is None else [
-            int(i) for i in distributed.to_host(run.replay) if i >= 0]
+        return [int(i) for i in distributed.to_host(run.replay) if i >= 0] if run.replays else []
 
     def step_records(self, run: RunState, k: int) -> list[int]:
         """GRPO step k's train records: the replayed ones, then step k's fresh ones up to
@@ -462,7 +462,7 @@ class Experiment:
             if self.config.grpo.self_imitation:
                 train = self._self_imitation(train, tables, int(run.step), metrics)
         metrics["time/step_seconds"] = time.perf_counter() - start
-        replay = None if run.replay is None else self.next_replay(records, result.samples)
+        replay = self.next_replay(records, result.samples) if run.replays else None
         return run.next(train, tables, replay), metrics
 
     def _rollout(self, run: RunState, k: int, tasks: list[rollout.Task]

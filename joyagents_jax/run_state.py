@@ -3,29 +3,39 @@
 The agents' train state (params, optimizer state, frozen reference), the memory tables, the
 train records GRPO re-asks next (`grpo.replay`) and the step. The data position is the step:
 the step's fresh queries and every random draw derive from (seed, step), so restoring a
-`RunState` resumes exactly. The phase is static (it decides the
-tree's structure: the SFT or the GRPO optimizer, memory tables or none).
+`RunState` resumes exactly. The phase is static (it decides the tree's structure: the SFT or
+the GRPO optimizer, memory tables or none). Without replay the tree has no `replay` node at
+all, so checkpoints written before it existed restore unchanged.
 """
 
 from __future__ import annotations
 
-import flax.struct
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
 from joyagents_jax import train_state as ts
 from joyagents_jax.rl.memory import MemoryTable
 
+_ARRAY_FIELDS = ("train", "memory", "step", "replay")
+# `RunState.replay` with replay off: not a tree node (None cannot mark it: tree utilities
+# unflatten with None in place of every leaf).
+OFF = ()
 
-@flax.struct.dataclass
+
+@dataclasses.dataclass(frozen=True)
 class RunState:
     train: ts.TrainState
     memory: dict[str, MemoryTable]  # {group: [A, ...] tables}; {} in SFT or memory off
     step: jax.Array  # [] int32: steps done, SFT and GRPO counted together
     # [R] int32: the train records the next GRPO step re-asks (`grpo.replay`), -1 padding;
-    # None in SFT or with replay off.
-    replay: jax.Array | None = None
-    phase: str = flax.struct.field(pytree_node=False, default="sft")  # "sft" | "grpo"
+    # OFF in SFT or with replay off.
+    replay: jax.Array | tuple = OFF
+    phase: str = dataclasses.field(default="sft", metadata={"pytree_node": False})  # or "grpo"
+
+    def replace(self, **changes) -> RunState:
+        return dataclasses.replace(self, **changes)
 
     @classmethod
     def start(cls, train: ts.TrainState) -> RunState:
@@ -45,3 +55,22 @@ class RunState:
         return self.replace(train=train, step=self.step + 1,
                             memory=self.memory if memory_tables is None else memory_tables,
                             replay=self.replay if replay is None else replay)
+
+    @property
+    def replays(self) -> bool:
+        return self.replay is not OFF
+
+
+def _flatten(run: RunState):
+    """Children keyed by field name, `replay` only when set; the phase is static."""
+    names = [n for n in _ARRAY_FIELDS if n != "replay" or run.replays]
+    return ([(jax.tree_util.GetAttrKey(n), getattr(run, n)) for n in names],
+            (tuple(names), run.phase))
+
+
+def _unflatten(aux, children) -> RunState:
+    names, phase = aux
+    return RunState(**dict(zip(names, children)), phase=phase)
+
+
+jax.tree_util.register_pytree_with_keys(RunState, _flatten, _unflatten)
