@@ -126,6 +126,8 @@ VARIANTS = {
                           "step's queries that had a reward spread",
                           {"grpo.mode": "trajectory", "grpo.topk": 0, "memory.enabled": False,
                            "grpo.replay": 12}),
+    "replay_k5": ("the default with replay (12) and top-K (K=5) instead of every node group "
+                  "with a reward spread", {"grpo.replay": 12, "grpo.topk": 5}),
 }
 MAIN = ("sft_only", "trajectory", "nodewise_all", "nodewise_topk", "joyagents")
 SPLITS = {"test": 200, "test_novel": 50}
