@@ -5,6 +5,8 @@ import pathlib
 
 import pytest
 
+from joyagents_jax import config_checks
+
 _PATH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "learning_study.py"
 _SPEC = importlib.util.spec_from_file_location("learning_study", _PATH)
 ls = importlib.util.module_from_spec(_SPEC)
@@ -161,3 +163,9 @@ def test_variant_colors_are_distinct_past_the_ten_colour_cycle():
     assert list(colors) == names
     assert len(set(colors.values())) == 12
     assert len(set(ls.variant_colors(names[:3]).values())) == 3
+
+
+@pytest.mark.parametrize("name", list(ls.VARIANTS))
+def test_every_variant_is_a_valid_config(name):
+    """A variant whose overrides the config checks refuse would fail only after its SFT."""
+    assert config_checks.problems(ls.config_for(0, ls.VARIANTS[name][1])) == []
