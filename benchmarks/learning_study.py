@@ -121,7 +121,10 @@ VARIANTS = {
     "greedy_t06": ("greedy_completions, the branch node's alternatives sampled at temperature "
                    "0.6", {"grpo.greedy_completions": True, "grpo.temperature": 0.6}),
     "replay": ("the default, each step re-asking up to 12 of the previous step's queries that "
-               "had a node group with a reward spread", {"grpo.replay": 12}),
+               "had a node group with a reward spread (the default since session 70)",
+               {"grpo.replay": 12}),
+    "no_replay": ("the default without replay, every query fresh (the default of sessions "
+                  "64-69)", {"grpo.replay": 0}),
     "trajectory_replay": ("trajectory GRPO (no memory) re-asking up to 12 of the previous "
                           "step's queries that had a reward spread",
                           {"grpo.mode": "trajectory", "grpo.topk": 0, "memory.enabled": False,

@@ -222,7 +222,11 @@ def get_config() -> ml_collections.ConfigDict:
     # the previous step's queries that had a node group with a reward spread, the ones GRPO
     # just learned from, while the memory holds that step's best outputs for their nodes: the
     # memory answers them in the rollout and its outputs join node groups (memory_branches),
-    # so its answers train the policies again (0: every query fresh, from `query_order`).
+    # so its answers train the policies again (0: every query fresh, from `query_order`). 12 is
+    # the default since session 70: on an AMD EPYC (family 25 model 17) the policies alone
+    # ended at 0.640 / 0.670 / 0.675 on seeds 0-2 against 0.615 / 0.620 / 0.655 with 0 (the
+    # default of sessions 64-69), with the memory 0.720 / 0.740 / 0.690 against 0.720 / 0.705 /
+    # 0.695 (benchmarks/RESULTS.md, "Re-asking as the default").
     c.grpo = ml_collections.ConfigDict(dict(
         steps=44, queries=36, group_size=4, mode="nodewise", topk=0, select="groups",
         micro_batch=16, inner_steps=2, beta=0.04, eps_low=0.2, eps_high=0.28, kl="k3",
@@ -233,7 +237,7 @@ def get_config() -> ml_collections.ConfigDict:
         grounding_match="word", memory_branches=True, neg_weight=1.0, gold_branches=False,
         share_identical=True, suffix_credit=False, greedy_completions=False, self_imitation=0,
         subagent_credit=False, branch_agents="", branch_min_change=0.0,
-        unbranched_memory="eval", replay=0))
+        unbranched_memory="eval", replay=12))
 
     # Reuse needs a (near-)identical node input: with mean-pooled embeddings of a tiny model,
     # different prompts of one agent reach cosine 0.9996 (measured). Hints are off by default
@@ -266,7 +270,8 @@ def get_config() -> ml_collections.ConfigDict:
 # The default of sessions 57-63 as overrides of this one (`byte_default()`).
 BYTE_DEFAULT = {"tokenizer": "bytes", "groups.all.model": "tiny", "max_len": 512,
                 "sampler.min_prompt_bucket": 256, "sft.steps": 900, "sft.shared_steps": 900,
-                "grpo.branch_agents": ",".join(SUB_AGENTS), "eval.grpo_every": 10}
+                "grpo.branch_agents": ",".join(SUB_AGENTS), "eval.grpo_every": 10,
+                "grpo.replay": 0}
 
 
 def byte_default() -> ml_collections.ConfigDict:

@@ -71,7 +71,7 @@ def test_gsm8k_multi_agent_trains_end_to_end(tmp_path):
     c = _load("gsm8k_single_vs_multi")("multi")
     c.gsm8k_dir = str(manual)
     c.sft.update(steps=2, batch_per_agent=2)
-    c.grpo.update(steps=1, queries=2, group_size=2)
+    c.grpo.update(steps=1, queries=2, replay=1, group_size=2)
     c.limits.update(max_tokens_per_node=16)
     c.eval.update(examples=2)
     c.sampler.update(min_prompt_bucket=16, min_batch_bucket=1)

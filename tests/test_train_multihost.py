@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 # advantages: its loss, KL and norms are compared, the parameters do not move); rollouts,
 # memory and evaluations all take part.
 OVERRIDES = {"mesh": "data=2,fsdp=-1", "sft.steps": 2, "sft.batch_per_agent": 8, "grpo.steps": 2,
-             "grpo.queries": 2, "grpo.group_size": 2, "grpo.select": "agents",
+             "grpo.queries": 2, "grpo.replay": 1, "grpo.group_size": 2, "grpo.select": "agents",
              "limits.max_tokens_per_node": 16, "eval.examples": 2, "eval.grpo_every": 0,
              "checkpoint.every": 1}
 STEPS = 4
