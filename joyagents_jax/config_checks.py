@@ -310,7 +310,8 @@ def _grpo(c) -> Iterator[str]:
         yield (f"config.grpo.replay={g.replay}: a step re-asks at most grpo.replay of the "
                f"previous step's queries in place of fresh ones, so it must stay below "
                f"grpo.queries={g.queries} for every step to see new traffic. Lower grpo.replay "
-               f"or raise grpo.queries.")
+               f"(the default asks 12 of 36 again, e.g. --config.grpo.replay={g.queries // 3}; "
+               f"0 asks fresh traffic only) or raise grpo.queries.")
     if g.memory_groups == "drop" and g.mode == "full_tree":
         yield ("config.grpo.memory_groups=drop: full_tree rollouts do not mark memory-answered "
                "episodes; use grpo.mode=nodewise or trajectory, or memory_groups=keep.")
