@@ -224,9 +224,10 @@ def get_config() -> ml_collections.ConfigDict:
     # memory answers them in the rollout and its outputs join node groups (memory_branches),
     # so its answers train the policies again (0: every query fresh, from `query_order`). 12 is
     # the default since session 70: on an AMD EPYC (family 25 model 17) the policies alone
-    # ended at 0.640 / 0.670 / 0.675 on seeds 0-2 against 0.615 / 0.620 / 0.655 with 0 (the
-    # default of sessions 64-69), with the memory 0.720 / 0.740 / 0.690 against 0.720 / 0.705 /
-    # 0.695 (benchmarks/RESULTS.md, "Re-asking as the default").
+    # ended at 0.640 / 0.670 / 0.675 / 0.710 / 0.665 on seeds 0-4 against 0.615 / 0.620 / 0.655
+    # / 0.740 / 0.635 with 0 (the default of sessions 64-69; 59 / 40 test queries won / lost),
+    # and at least 10 points over SFT with the memory on every seed, where 0 fell short on seed
+    # 1 (benchmarks/RESULTS.md, "Re-asking as the default").
     c.grpo = ml_collections.ConfigDict(dict(
         steps=44, queries=36, group_size=4, mode="nodewise", topk=0, select="groups",
         micro_batch=16, inner_steps=2, beta=0.04, eps_low=0.2, eps_high=0.28, kl="k3",
