@@ -28,7 +28,8 @@ OVERRIDES = {"suite": "tiny", "sft.steps": SFT_STEPS, "sft.shared_steps": SFT_ST
              "sft.batch_per_agent": 4, "sft.warmup_steps": 10, "grpo.steps": GRPO_STEPS,
              "grpo.queries": 8, "grpo.group_size": 4, "grpo.topk": 0, "grpo.learning_rate": 1e-3,
              "grpo.temperature": 1.0, "grpo.branch_agents": "", "memory.enabled": False,
-             "grpo.replay": 0, "limits.max_tokens_per_node": 48, "sft.demo_redundant_call": 0.0, "max_len": 384}
+             "grpo.replay": 0, "limits.max_tokens_per_node": 48, "sft.demo_redundant_call": 0.0,
+             "max_len": 384}
 
 
 def _config(data_dir):
