@@ -24,7 +24,8 @@ pytestmark = pytest.mark.slow
 OVERRIDES = {"sft.steps": 3, "sft.batch_per_agent": 2, "grpo.steps": 3, "grpo.queries": 2,
              "grpo.replay": 1, "grpo.group_size": 2, "limits.max_tokens_per_node": 24,
              "eval.examples": 2, "eval.grpo_every": 2, "checkpoint.every": 1,
-             "sampler.min_prompt_bucket": 16, "sampler.min_batch_bucket": 1, "pad_to_max_len": False}
+             "sampler.min_prompt_bucket": 16, "sampler.min_batch_bucket": 1,
+             "pad_to_max_len": False}
 TIMING = ("seconds", "tokens_per_second", "time/")  # wall-clock metrics differ between runs
 
 
