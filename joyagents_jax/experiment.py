@@ -392,10 +392,10 @@ class Experiment:
         """The train records `run.replay` re-asks (none with replay off)."""
         return [int(i) for i in distributed.to_host(run.replay) if i >= 0] if run.replays else []
 
-    def step_records(self, run: RunState, k: int) -> list[int]:
-        """GRPO step k's train records: the replayed ones, then step k's fresh ones up to
-        `grpo.queries` in all."""
-        replayed, fresh = self.replayed(run), self.train_records(k)
+    def step_records(self, replayed: list[int], k: int) -> list[int]:
+        """GRPO step k's train records: the `replayed` ones (`replayed(run)`), then step k's
+        fresh ones up to `grpo.queries` in all."""
+        fresh = self.train_records(k)
         return replayed + fresh[:len(fresh) - len(replayed)]
 
     def next_replay(self, records: Sequence[int], samples: Sequence[rollout.Sample]
@@ -442,11 +442,12 @@ class Experiment:
         6. with `grpo.replay`, the queries the next step asks again.
         """
         start, k = time.perf_counter(), int(run.step) - self.config.sft.steps
-        records = self.step_records(run, k)
+        replayed = self.replayed(run)
+        records = self.step_records(replayed, k)
         result, refills = self._rollout(run, k, [self.task(i) for i in records])
         metrics = self._rollout_metrics(result, time.perf_counter() - start)
         metrics["rollout/refills"] = refills
-        metrics["rollout/replayed"] = len(self.replayed(run))
+        metrics["rollout/replayed"] = len(replayed)
         trained = self._trainable(result.samples, metrics)
         train = run.train
         if trained:  # else no node group has a reward spread: nothing to learn, no step

@@ -407,7 +407,7 @@ def test_replay_reasks_the_queries_with_a_reward_spread_and_checkpoints_them(dat
     run = exp.start_grpo(exp.init_run())
     run = run.replace(step=run.step + exp.config.sft.steps)  # GRPO's first step
     chex.assert_trees_all_equal(run.replay, np.array([-1, -1], np.int32))
-    records = exp.step_records(run, 0)
+    records = exp.step_records(exp.replayed(run), 0)
     assert records == exp.train_records(0) and len(set(records)) == 3
 
     def sample(query, group, reward):
@@ -422,7 +422,8 @@ def test_replay_reasks_the_queries_with_a_reward_spread_and_checkpoints_them(dat
     chex.assert_trees_all_equal(exp.next_replay(records, agree + spread[:2]),
                                 np.array([records[2], -1], np.int32))
     run = run.replace(replay=replay)
-    assert exp.step_records(run, 1) == [records[1], records[2], exp.train_records(1)[0]]
+    assert exp.step_records(exp.replayed(run), 1) == [records[1], records[2],
+                                                      exp.train_records(1)[0]]
 
     with checkpoint.Checkpointer(str(tmp_path / "ckpt")) as ckpt:
         ckpt.save(3, run.without_bases(), {"step": 3, "phase": "grpo"}, force=True)
