@@ -131,6 +131,8 @@ VARIANTS = {
                            "grpo.replay": 12}),
     "replay_k5": ("the default with replay (12) and top-K (K=5) instead of every node group "
                   "with a reward spread", {"grpo.replay": 12, "grpo.topk": 5}),
+    "deep": ("the default with 4-layer agents (model deep-bpe) instead of 2",
+             {"groups.all.model": "deep-bpe"}),
 }
 MAIN = ("sft_only", "trajectory", "nodewise_all", "nodewise_topk", "joyagents")
 SPLITS = {"test": 200, "test_novel": 50}

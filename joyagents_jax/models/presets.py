@@ -36,8 +36,12 @@ PRESETS: dict[str, Qwen2Config] = {
     "qwen2.5-32b": _qwen25(5120, 27648, 64, 40, 8, _QWEN_VOCAB_LARGE, False),
     "qwen2.5-72b": _qwen25(8192, 29568, 80, 64, 8, _QWEN_VOCAB_LARGE, False),
     "tiny": _TINY,
-    # "tiny" with room for a suite BPE's ids (config.tokenizer="suite_bpe").
+    # "tiny" with room for a suite BPE's ids (config.tokenizer="suite_bpe"): the default's agents.
     "tiny-bpe": _TINY.replace(vocab_size=SUITE_BPE_VOCAB),
+    # "tiny-bpe" with 4 layers (0.26M parameters against 0.16M). The default's run with it took
+    # ~1.6x the GRPO phase's time and did not end better: benchmarks/RESULTS.md, "Four layers
+    # instead of two".
+    "deep-bpe": _TINY.replace(vocab_size=SUITE_BPE_VOCAB, num_layers=4),
     # ~30M parameters: the sampler benchmark's mid size (byte vocabulary). Unrolled layers: on
     # CPU the scanned backward copies every layer's saved activations out of the stacked
     # buffers, and the train step runs ~10% slower (benchmarks/RESULTS.md, "GRPO train step").

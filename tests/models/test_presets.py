@@ -31,3 +31,10 @@ def test_overrides_and_unknown():
 def test_benchmark_sizes():
     assert 25e6 < qwen2.count_params(presets.get_preset("small-30m")) < 40e6
     assert 110e6 < qwen2.count_params(presets.get_preset("base-120m")) < 130e6
+
+
+def test_suite_bpe_presets():
+    """deep-bpe is tiny-bpe with 4 layers instead of 2: 0.26M parameters against 0.16M."""
+    tiny, deep = presets.get_preset("tiny-bpe"), presets.get_preset("deep-bpe")
+    assert deep == tiny.replace(num_layers=4)
+    assert (qwen2.count_params(tiny), qwen2.count_params(deep)) == (164_416, 263_232)
