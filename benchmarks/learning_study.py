@@ -52,6 +52,8 @@ VARIANTS = {
                   "demonstrator)", {"sft.demo_redundant_call": 0.0, "max_len": 384}),
     "default": ("the README default (JoyAgents-R1 as `joyagents train` runs it)", {}),
     "lr_5e-5": ("the default at the previous learning rate 5e-5", {"grpo.learning_rate": 5e-5}),
+    "cosine": ("the default with its learning rate decayed by a cosine from 6e-5 to 0 over its "
+               "steps (a mean of 3e-5)", {"grpo.schedule": "cosine", "grpo.learning_rate": 6e-5}),
     "trajectory": ("trajectory GRPO, all groups, no memory",
                    {"grpo.mode": "trajectory", "grpo.topk": 0, "memory.enabled": False}),
     "nodewise_all": ("node-wise, all groups, no memory",

@@ -83,7 +83,8 @@ def build(c: ml_collections.ConfigDict) -> Components:
             total_steps=max(s.steps, s.warmup_steps + 1), weight_decay=s.weight_decay,
             clip_norm=s.clip_norm),
         grpo_optim=ts.OptimConfig(learning_rate=g.learning_rate, kind=g.optimizer,
-                                  schedule="constant", warmup_steps=g.warmup_steps,
+                                  schedule=g.schedule, warmup_steps=g.warmup_steps,
+                                  total_steps=g.warmup_steps + g.steps * g.inner_steps,
                                   clip_norm=g.clip_norm),
         grpo_step=grpo_step.GRPOStepConfig(
             loss=loss, inner_steps=g.inner_steps, topk=g.topk or None, select=g.select,

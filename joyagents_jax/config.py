@@ -228,12 +228,15 @@ def get_config() -> ml_collections.ConfigDict:
     # / 0.740 / 0.635 with 0 (the default of sessions 64-69; 59 / 40 test queries won / lost),
     # and at least 10 points over SFT with the memory on every seed, where 0 fell short on seed
     # 1 (benchmarks/RESULTS.md, "Re-asking as the default").
+    # schedule: "constant" learning rate after warmup, or "cosine" decay from the peak to 0
+    # over warmup_steps + steps * inner_steps optimizer updates (each agent's schedule counts
+    # its own updates, so an agent that some steps leave out ends above 0).
     c.grpo = ml_collections.ConfigDict(dict(
         steps=44, queries=36, group_size=4, mode="nodewise", topk=0, select="groups",
         micro_batch=16, inner_steps=2, beta=0.04, eps_low=0.2, eps_high=0.28, kl="k3",
         aggregation="seq_mean_token_mean", advantage="std", optimizer="adamw",
-        learning_rate=3e-5, warmup_steps=0, clip_norm=1.0, temperature=0.3, tempered_loss=False,
-        top_p=1.0, top_k=0, memory_groups="keep", w_format=0.1, w_efficiency=0.05,
+        learning_rate=3e-5, schedule="constant", warmup_steps=0, clip_norm=1.0,
+        temperature=0.3, tempered_loss=False, top_p=1.0, top_k=0, memory_groups="keep", w_format=0.1, w_efficiency=0.05,
         w_grounding=0.0, min_groups=0, max_refills=2, query_order="traffic",
         grounding_match="word", memory_branches=True, neg_weight=1.0, gold_branches=False,
         share_identical=True, suffix_credit=False, greedy_completions=False, self_imitation=0,

@@ -31,6 +31,7 @@ KLS = ("k1", "k2", "k3")
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 ADVANTAGES = ("std", "no_std", "loo")
 OPTIMIZERS = ("adamw", "sgd")
+SCHEDULES = ("constant", "cosine")
 MEMORY_GROUPS = ("keep", "drop")
 QUERY_ORDERS = ("traffic", "questions")
 UNBRANCHED_MEMORY = ("off", "eval", "all")
@@ -280,6 +281,7 @@ def _grpo(c) -> Iterator[str]:
                             why="the scale of negative advantages; 1 is GRPO"),
                     _choice(c, "grpo.optimizer", OPTIMIZERS),
                     _number(c, "grpo.learning_rate", low=0, low_open=True),
+                    _choice(c, "grpo.schedule", SCHEDULES),
                     _number(c, "grpo.warmup_steps", low=0, integer=True),
                     _number(c, "grpo.clip_norm", low=0, low_open=True),
                     _number(c, "grpo.temperature", low=0, low_open=True,

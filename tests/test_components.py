@@ -16,7 +16,8 @@ CHANGED = {
     "grpo.group_size": 6, "grpo.mode": "trajectory", "grpo.topk": 2, "grpo.select": "agents",
     "grpo.micro_batch": 4, "grpo.inner_steps": 3, "grpo.beta": 0.01, "grpo.eps_low": 0.1,
     "grpo.eps_high": 0.3, "grpo.kl": "k1", "grpo.aggregation": "token_mean",
-    "grpo.advantage": "loo", "grpo.optimizer": "sgd", "grpo.learning_rate": 1e-6, "grpo.warmup_steps": 4,
+    "grpo.advantage": "loo", "grpo.optimizer": "sgd", "grpo.learning_rate": 1e-6, "grpo.schedule": "cosine",
+    "grpo.warmup_steps": 4,
     "grpo.clip_norm": 0.7, "grpo.temperature": 0.9, "grpo.tempered_loss": True, "grpo.top_p": 0.9, "grpo.top_k": 20,
     "grpo.w_format": 0.2, "grpo.w_efficiency": 0.1, "grpo.w_grounding": 0.3,
     "grpo.grounding_match": "chars", "grpo.memory_branches": False, "grpo.neg_weight": 0.5,
@@ -70,6 +71,9 @@ def test_values_arrive_unchanged_where_names_match():
     assert (parts.sampling.temperature, parts.sampling.top_k, parts.sampling.max_new_tokens) == \
         (0.9, 20, 40)
     assert (parts.sft_optim.weight_decay, parts.grpo_optim.learning_rate) == (0.01, 1e-6)
+    # the cosine horizon counts optimizer updates: warmup + steps x inner steps
+    assert (parts.grpo_optim.schedule, parts.grpo_optim.total_steps) == \
+        ("cosine", 4 + c.grpo.steps * 3)
     assert parts.rollout.rewards.w_format == 0.2 and parts.rollout.group_size == 6
     assert parts.rollout.rewards.w_grounding == 0.3
     assert parts.rollout.rewards.grounding_match == "chars"

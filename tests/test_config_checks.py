@@ -54,6 +54,7 @@ def test_the_default_the_byte_default_and_real_checkpoint_configs_are_valid(tmp_
     ({"grpo__aggregation": "bogus"}, "config.grpo.aggregation='bogus': not one of token_mean"),
     ({"grpo__advantage": "bogus"}, "config.grpo.advantage='bogus': not one of std"),
     ({"grpo__optimizer": "adam"}, "config.grpo.optimizer='adam': not one of adamw, sgd"),
+    ({"grpo__schedule": "linear"}, "config.grpo.schedule='linear': not one of constant, cosine"),
     ({"sft__learning_rate": math.nan}, "config.sft.learning_rate=nan: must be finite"),
     ({"grpo__learning_rate": -1e-5}, "config.grpo.learning_rate=-1e-05: must be > 0"),
     ({"grpo__beta": -1.0}, "config.grpo.beta=-1.0: must be >= 0"),
