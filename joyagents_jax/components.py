@@ -84,7 +84,7 @@ def build(c: ml_collections.ConfigDict) -> Components:
             clip_norm=s.clip_norm),
         grpo_optim=ts.OptimConfig(learning_rate=g.learning_rate, kind=g.optimizer,
                                   schedule=g.schedule, warmup_steps=g.warmup_steps,
-                                  total_steps=g.warmup_steps + g.steps * g.inner_steps,
+                                  total_steps=g.warmup_steps + max(g.steps * g.inner_steps, 1),
                                   clip_norm=g.clip_norm),
         grpo_step=grpo_step.GRPOStepConfig(
             loss=loss, inner_steps=g.inner_steps, topk=g.topk or None, select=g.select,

@@ -239,11 +239,11 @@ def get_config() -> ml_collections.ConfigDict:
         micro_batch=16, inner_steps=2, beta=0.04, eps_low=0.2, eps_high=0.28, kl="k3",
         aggregation="seq_mean_token_mean", advantage="std", optimizer="adamw",
         learning_rate=3e-5, schedule="constant", warmup_steps=0, clip_norm=1.0,
-        temperature=0.3, tempered_loss=False, top_p=1.0, top_k=0, memory_groups="keep", w_format=0.1, w_efficiency=0.05,
-        w_grounding=0.0, min_groups=0, max_refills=2, query_order="traffic",
-        grounding_match="word", memory_branches=True, neg_weight=1.0, gold_branches=False,
-        share_identical=True, suffix_credit=False, greedy_completions=False, self_imitation=0,
-        subagent_credit=False, branch_agents="", branch_min_change=0.0,
+        temperature=0.3, tempered_loss=False, top_p=1.0, top_k=0, memory_groups="keep",
+        w_format=0.1, w_efficiency=0.05, w_grounding=0.0, min_groups=0, max_refills=2,
+        query_order="traffic", grounding_match="word", memory_branches=True, neg_weight=1.0,
+        gold_branches=False, share_identical=True, suffix_credit=False, greedy_completions=False,
+        self_imitation=0, subagent_credit=False, branch_agents="", branch_min_change=0.0,
         unbranched_memory="eval", replay=12))
 
     # Reuse needs a (near-)identical node input: with mean-pooled embeddings of a tiny model,
