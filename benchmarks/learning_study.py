@@ -35,8 +35,12 @@ import math
 import os
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:  # matplotlib loads only where a figure is drawn
+    import matplotlib.figure
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -469,7 +473,7 @@ def report(root: str, out_md: str, out_png: str) -> str:
         table += "\n\nTest queries fixed and broken by GRPO, by question:\n\n" + listing
     with open(out_md, "w") as f:
         f.write(table + "\n")
-    _plot(by_variant, out_png)
+    study_figure(by_variant).savefig(out_png, dpi=120)
     return table
 
 
@@ -496,11 +500,13 @@ def variant_colors(names: list[str]) -> dict[str, str]:
     return {name: colors.to_hex(cmap(i % cmap.N)) for i, name in enumerate(names)}
 
 
-def _plot(by_variant: dict[str, list[dict]], path: str) -> None:
+def study_figure(by_variant: dict[str, list[dict]]) -> matplotlib.figure.Figure:
     """Left: rollout accuracy against generated tokens. Right (runs with --eval_every): held-out
     test accuracy of the policies without the memory against generated tokens, from SFT on.
-    One legend below both panels, so that it hides no curve."""
+    One legend below both panels, so that it hides no curve; token ticks in engineering
+    notation (350k), since raw counts run into each other."""
     from matplotlib.figure import Figure
+    from matplotlib.ticker import EngFormatter
 
     fig = Figure(figsize=(11, 5), layout="constrained")
     rollout_ax, heldout_ax = fig.subplots(1, 2)
@@ -523,16 +529,17 @@ def _plot(by_variant: dict[str, list[dict]], path: str) -> None:
             if len(held) > 1:
                 hx, hy = zip(*held)
                 heldout_ax.plot(hx, hy, color=color, alpha=0.7, lw=1, marker=".")
-    rollout_ax.set_xlabel("generated tokens (sampler budget)")
+    for ax in (rollout_ax, heldout_ax):
+        ax.set_xlabel("generated tokens (sampler budget)")
+        ax.xaxis.set_major_formatter(EngFormatter(sep=""))
     rollout_ax.set_ylabel("rollout accuracy (trailing 3-step mean)")
-    heldout_ax.set_xlabel("generated tokens (sampler budget)")
     heldout_ax.set_ylabel("test accuracy, policies without memory (greedy)")
     handles = [h for ax in (rollout_ax, heldout_ax) for h in ax.get_legend_handles_labels()[0]]
     if handles:
         ncols = 1 if max(len(h.get_label()) for h in handles) > 80 else 2  # 2 wide ones overflow
         fig.set_size_inches(11, 4.5 + 0.15 * math.ceil(len(handles) / ncols))  # room for it
         fig.legend(handles=handles, loc="outside lower center", ncols=ncols, fontsize=7)
-    fig.savefig(path, dpi=120)
+    return fig
 
 
 def main() -> None:

@@ -165,6 +165,22 @@ def test_variant_colors_are_distinct_past_the_ten_colour_cycle():
     assert len(set(ls.variant_colors(names[:3]).values())) == 3
 
 
+def test_study_figure_labels_token_ticks_in_thousands_on_both_panels():
+    runs = {"sft_only": [{"seed": 0, "test_acc": 0.5, "curve": []}],
+            "default": [{"seed": 0, **_run({2: 0.6, 4: 0.7}, 350_000, 0.72),
+                         "curve": [{"tokens": 70_000 * k, "accuracy": 0.5 + 0.05 * k,
+                                    **({"test_acc_no_memory": 0.6} if k == 2 else {})}
+                                   for k in range(1, 6)]}]}
+    fig = ls.study_figure(runs)
+    fig.canvas.draw()
+    rollout_ax, heldout_ax = fig.axes
+    for ax in (rollout_ax, heldout_ax):
+        labels = [t.get_text() for t in ax.get_xticklabels() if t.get_text()]
+        assert labels and all(len(text) <= 5 for text in labels), labels
+    assert heldout_ax.xaxis.get_major_formatter()(350_000) == "350k"
+    assert len(heldout_ax.lines) == 1 and len(rollout_ax.lines) == 1
+
+
 @pytest.mark.parametrize("name", list(ls.VARIANTS))
 def test_every_variant_is_a_valid_config(name):
     """A variant whose overrides the config checks refuse would fail only after its SFT."""
