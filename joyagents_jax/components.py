@@ -25,7 +25,7 @@ LOOP_KEYS = ("sft.steps", "sft.shared_steps", "sft.batch_per_agent", "sft.extra_
              "sft.sorted_passes",
              "grpo.steps", "grpo.queries", "grpo.memory_groups", "grpo.min_groups",
              "grpo.max_refills", "grpo.query_order", "grpo.self_imitation", "grpo.replay",
-             "memory.enabled",
+             "grpo.seed", "memory.enabled",
              "memory.in_rollouts")
 
 

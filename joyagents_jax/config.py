@@ -234,6 +234,10 @@ def get_config() -> ml_collections.ConfigDict:
     # (a mean of 3e-5) left the policies alone at 0.660 / 0.670 / 0.620 on seeds 0-2 against
     # 0.640 / 0.670 / 0.675: it learns faster early and stops from step 20-30 on
     # (benchmarks/RESULTS.md, "A cosine learning-rate decay").
+    # seed: the seed of GRPO's randomness (its queries, samples, refills and self-imitation
+    # draws); -1 uses `seed`. The SFT phase depends on `seed` alone, so another value runs a
+    # second RL seed from the same end-of-SFT checkpoint, which separates the spread GRPO
+    # adds from the spread of the SFT policies it starts from.
     c.grpo = ml_collections.ConfigDict(dict(
         steps=44, queries=36, group_size=4, mode="nodewise", topk=0, select="groups",
         micro_batch=16, inner_steps=2, beta=0.04, eps_low=0.2, eps_high=0.28, kl="k3",
@@ -244,7 +248,7 @@ def get_config() -> ml_collections.ConfigDict:
         query_order="traffic", grounding_match="word", memory_branches=True, neg_weight=1.0,
         gold_branches=False, share_identical=True, suffix_credit=False, greedy_completions=False,
         self_imitation=0, subagent_credit=False, branch_agents="", branch_min_change=0.0,
-        unbranched_memory="eval", replay=12))
+        unbranched_memory="eval", replay=12, seed=-1))
 
     # Reuse needs a (near-)identical node input: with mean-pooled embeddings of a tiny model,
     # different prompts of one agent reach cosine 0.9996 (measured). Hints are off by default

@@ -264,6 +264,7 @@ def _sft(c) -> Iterator[str]:
 def _grpo(c) -> Iterator[str]:
     g = c.grpo
     yield from _all(_number(c, "grpo.steps", low=0, integer=True),
+                    _number(c, "grpo.seed", low=-1, integer=True, why="-1 uses config.seed"),
                     _number(c, "grpo.queries", low=1, integer=True),
                     _number(c, "grpo.group_size", low=2, integer=True,
                             why="GRPO compares G samples of one node"),

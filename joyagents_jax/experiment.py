@@ -106,6 +106,8 @@ class Experiment:
                              f"multiple of it.")
         self.demos = self._demonstrations(self._demonstration_texts(self.tokenizer))
         self.grpo_pool = self._grpo_pool()
+        # GRPO's draws: `grpo.seed`, or `seed` (-1), so RL seeds can share one SFT phase.
+        self.grpo_seed = config.seed if config.grpo.seed < 0 else config.grpo.seed
         self._makers = {"sft": functools.partial(sft.make_sft_step, agents_per_pass=per_pass),
                         "shared_sft": functools.partial(sft.make_sft_step, shared=True,
                                                         agents_per_pass=per_pass),
@@ -376,7 +378,7 @@ class Experiment:
         out = []
         for i in range(k * q, (k + 1) * q):
             epoch, pos = divmod(i, len(pool))
-            order = np.random.default_rng([self.config.seed, 7, epoch]).permutation(len(pool))
+            order = np.random.default_rng([self.grpo_seed, 7, epoch]).permutation(len(pool))
             out.append(pool[int(order[pos])])
         return out
 
@@ -474,7 +476,7 @@ class Experiment:
         so a step still has something to learn once most of the traffic's samples agree.
         Returns the (merged) rollout and the number of refills."""
         g = self.config.grpo
-        key = jax.random.fold_in(jax.random.key(self.config.seed), 2_000_003 + k)
+        key = jax.random.fold_in(jax.random.key(self.grpo_seed), 2_000_003 + k)
         memory = (self.memory_view(run, components.rollout_memory_agents(self.config))
                   if self.config.memory.in_rollouts else None)
         roll = lambda tasks, key: rollout.Rollout(self.system, self.tokenizer, self.policy(
@@ -490,7 +492,7 @@ class Experiment:
     def refill_tasks(self, k: int, r: int) -> list[rollout.Task]:
         """Refill r of GRPO step k: `grpo.queries` distinct train queries, seeded by (k, r)."""
         pool = self.grpo_pool
-        rng = np.random.default_rng([self.config.seed, 11, k, r])
+        rng = np.random.default_rng([self.grpo_seed, 11, k, r])
         picks = rng.choice(len(pool), min(self.config.grpo.queries, len(pool)), replace=False)
         return [task_of(suite.decode(self.sources["train"][pool[int(i)]])) for i in picks]
 
@@ -546,7 +548,7 @@ class Experiment:
         host = mem.agent_tables(distributed.to_host(tables), self.slots)
         demos = self_imitation.draw(host, self.config.agents, self.config.grpo.self_imitation,
                                     self.parts.memory.best_reward, self.config.max_len,
-                                    np.random.default_rng([self.config.seed, 13, step]))
+                                    np.random.default_rng([self.grpo_seed, 13, step]))
         metrics["self_imitation/rows"] = len(demos)
         if not demos:
             return train

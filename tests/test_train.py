@@ -452,6 +452,19 @@ def test_question_order_visits_every_distinct_train_question_once_per_epoch(data
     assert all(t.query in epoch for t in exp.refill_tasks(0, 1))
 
 
+def test_grpo_seed_draws_other_queries_after_the_same_sft_phase(data_dir, tmp_path):
+    """grpo.seed = -1 is config.seed; another value changes GRPO's draws (queries, sampling
+    key) and nothing of the SFT phase (initial agents, demonstrations, SFT batches)."""
+    make = lambda name, **extra: evaluate.experiment.Experiment(
+        _config(data_dir=data_dir, seed=3, **extra), str(tmp_path / name))
+    default, same, other = make("d"), make("s", **{"grpo.seed": 3}), make("o", **{"grpo.seed": 4})
+    assert (default.grpo_seed, same.grpo_seed, other.grpo_seed) == (3, 3, 4)
+    records = lambda exp: [exp.train_records(k) for k in range(3)]
+    assert records(default) == records(same) != records(other)
+    assert default.demos == other.demos
+    chex.assert_trees_all_equal(default.init_run().train, other.init_run().train)
+
+
 def test_train_tasks_carry_their_gold_outputs(data_dir, tmp_path):
     """GRPO's tasks hold the gold trajectory's node outputs (grpo.gold_branches reads them):
     replayed, they answer their own query with the full R_A + R_F."""
