@@ -101,11 +101,12 @@ def _state():
 
 @pytest.mark.parametrize("topk", [None, 1])
 def test_dropping_uninformative_groups_changes_no_update(topk):
-    """The step on all samples and on `informative` ones: the same params (and kept groups)."""
+    """The step on all samples and on `informative` ones: the same params (and kept groups).
+    Both batches are padded to 8 rows per agent: one shape, so the step compiles once."""
     step = grpo_step.make_grpo_step(grpo_step.GRPOStepConfig(topk=topk, inner_steps=2))
-    full, full_m = step(_state(), batching.grpo_batch(SAMPLES, SLOTS, SIZES, OFFSETS, 64))
-    part, part_m = step(_state(), batching.grpo_batch(batching.informative(SAMPLES), SLOTS,
-                                                      SIZES, OFFSETS, 64))
+    batch = lambda samples: batching.grpo_batch(samples, SLOTS, SIZES, OFFSETS, 64, min_rows=8)
+    full, full_m = step(_state(), batch(SAMPLES))
+    part, part_m = step(_state(), batch(batching.informative(SAMPLES)))
     assert int(full_m["kept_groups"]) == int(part_m["kept_groups"]) == (2 if topk is None else 1)
     for a, b in zip(jax.tree.leaves(full.groups), jax.tree.leaves(part.groups), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)

@@ -28,10 +28,12 @@ SIZES = {"agent": 1, "data": 2, "fsdp": 2, "tensor": 2}
 
 
 def run_python(code: str, devices: int | None = 8, timeout: float = 300) -> str:
-    """Runs `code` in a fresh interpreter at the repo root (with `devices` fake CPU devices)."""
+    """Runs `code` in a fresh interpreter at the repo root (with `devices` fake CPU devices),
+    under the suite's XLA flags."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     if devices:
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+        env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""),
+                                     f"--xla_force_host_platform_device_count={devices}"])
         xla_flags.enough_cpu_threads(env)
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)

@@ -36,9 +36,14 @@ def _args(workdir, data_dir):
         f"--config.{k}={v}" for k, v in OVERRIDES.items()]
 
 
+# Both jobs compile at the suite's backend optimization level (tests/conftest.py), nothing else
+# of its XLA_FLAGS: the launcher sets the device count.
+OPT_LEVEL = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                     if f.startswith("--xla_backend_optimization_level"))
+
+
 def _launch(workdir, data_dir) -> subprocess.Popen:
-    env = {**os.environ, "PYTHON": sys.executable}
-    env.pop("XLA_FLAGS", None)
+    env = {**os.environ, "PYTHON": sys.executable, "XLA_FLAGS": OPT_LEVEL}
     return start_group(["bash", "launch/multiprocess_cpu.sh", "-n", "2", "-d", "4",
                         *_args(workdir, data_dir)], env)
 
@@ -111,7 +116,7 @@ def test_the_rerun_resumes_and_logs_what_one_process_with_8_devices_logs(
     assert "Resumed from step" in run["rerun_out"]
     one = str(tmp_path / "one_process")
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+           "XLA_FLAGS": f"--xla_force_host_platform_device_count=8 {OPT_LEVEL}"}
     proc = subprocess.run([sys.executable, "-m", "joyagents_jax.cli", *_args(one, data_dir)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-6000:]
