@@ -339,6 +339,35 @@ def paired_table(by_variant: dict[str, list[dict]], qid: list[str] | None = None
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
+def question_spread(answers: np.ndarray, qid: list[str]) -> tuple[float, float]:
+    """answers: [S, N] each seed's 0/1 answer to the N `test` queries. Returns the sd (ddof 1)
+    of the seeds' accuracies, and the sd that per-question variation alone would give: each
+    question's share of its records answered varying across seeds independently of the other
+    questions. Their gap is a seed-wide level, which no larger test split would remove."""
+    _, index = np.unique(np.asarray(qid), return_inverse=True)
+    records = np.bincount(index)
+    shares = np.stack([np.bincount(index, weights=a) / records for a in answers])  # [S, Q]
+    by_question = float((records**2 * shares.var(0, ddof=1)).sum()) / answers.shape[1] ** 2
+    return float(answers.mean(1).std(ddof=1)), by_question**0.5
+
+
+def spread_table(by_variant: dict[str, list[dict]], qid: list[str]) -> str:
+    """Markdown: per variant with two or more seeds' answers (one device), the seed spread of
+    the policies alone on `test` against what independent questions alone would give; ""
+    when no variant has two."""
+    lines = ["| variant | seeds | sd of the seeds' accuracy alone | sd from independent "
+             "questions |", "|---|---|---|---|"]
+    for name in VARIANTS:
+        rs = [r for r in by_variant.get(name, []) if r.get("test_answers_no_memory")]
+        if len({r.get("device") for r in rs}) != 1 or len(rs) < 2:
+            continue
+        rs = sorted(rs, key=lambda r: r["seed"])
+        sd, sd_q = question_spread(np.array([r["test_answers_no_memory"] for r in rs]), qid)
+        lines.append(f"| {name} | {','.join(str(r['seed']) for r in rs)} | {100 * sd:.2f} | "
+                     f"{100 * sd_q:.2f} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def call_moves(run: dict, sft: dict | None) -> tuple[int, int] | None:
     """(more, fewer): `test` queries on which the policies alone make more LLM calls after GRPO
     than at the end of SFT, and fewer; None without both runs' per-query calls. The mean calls
@@ -468,6 +497,10 @@ def report(root: str, out_md: str, out_png: str) -> str:
     if pairs:
         table += ("\n\nEach run against the baselines on the same seeds, query by query and "
                   "question by question:\n\n" + pairs)
+    spreads = spread_table(by_variant, qid) if qid else ""
+    if spreads:
+        table += ("\n\nThe seed spread of the policies alone (points) against what the test "
+                  "questions alone would give:\n\n" + spreads)
     listing = flip_listing(runs, qid, train) if qid else ""
     if listing:
         table += "\n\nTest queries fixed and broken by GRPO, by question:\n\n" + listing

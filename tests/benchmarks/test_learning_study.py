@@ -3,6 +3,7 @@
 import importlib.util
 import pathlib
 
+import numpy as np
 import pytest
 
 from joyagents_jax import config_checks
@@ -106,6 +107,29 @@ def test_paired_table_adds_the_question_columns_given_the_questions():
     head, _, row = ls.paired_table(by_variant, qid).splitlines()
     assert head.endswith("| questions won / lost | sign test p over questions |")
     assert row == "| default | trajectory | 0 | 10 / 0 | +5.0 | 0.002 | 5 / 0 | 0.062 |"
+
+
+def test_question_spread_equals_the_seed_spread_when_one_question_moves():
+    # Queries a, a, b, c: the seeds differ only in question a (both of its records).
+    sd, sd_q = ls.question_spread(np.array([[1, 1, 0, 1], [0, 0, 0, 1]], float), list("aabc"))
+    np.testing.assert_allclose([sd, sd_q], [0.5 / np.sqrt(2)] * 2)
+
+
+def test_question_spread_is_below_the_seed_spread_when_every_question_moves_together():
+    # A seed-wide level: per-question variation would give sqrt(4 * 0.5 + 0.5 + 0.5) / 4.
+    sd, sd_q = ls.question_spread(np.array([[1, 1, 1, 1], [0, 0, 0, 0]], float), list("aabc"))
+    np.testing.assert_allclose([sd, sd_q], [np.sqrt(0.5), np.sqrt(3) / 4])
+
+
+def test_spread_table_needs_two_seeds_of_one_device():
+    run = lambda seed, xs, device="cpu": {"seed": seed, "device": device,
+                                          "test_answers_no_memory": xs}
+    by_variant = {"default": [run(0, [1, 1, 0, 1]), run(1, [0, 0, 0, 1])],
+                  "trajectory": [run(0, [1, 0, 0, 0])],
+                  "nodewise_all": [run(0, [1, 0, 0, 0]), run(1, [1, 1, 0, 0], "gpu")]}
+    lines = ls.spread_table(by_variant, list("aabc")).splitlines()
+    assert lines[2:] == ["| default | 0,1 | 35.36 | 35.36 |"]
+    assert ls.spread_table({"trajectory": by_variant["trajectory"]}, list("aabc")) == ""
 
 
 def test_flips_need_both_runs_answers():
