@@ -17,9 +17,9 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # Tests compile at XLA's backend optimization level 0: the same HLO programs (what this code
 # builds), lowered by LLVM without its optimizations. Most tests compile more than they run; on
-# 2 cores the suite ran in 12:11 instead of 14:12 (benchmarks/RESULTS.md, "The test suite at
-# backend optimization level 0"). The README runs and the learning study use XLA's default; a
-# level already in XLA_FLAGS is kept, and subprocesses that set their own XLA_FLAGS use theirs.
+# 2 cores pytest took 9:49 instead of 14:12 (benchmarks/RESULTS.md, "The test suite at backend
+# optimization level 0"). The README runs, the learning study and tests/test_learning.py use
+# XLA's default; a level already in XLA_FLAGS is kept.
 if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""),
                                         "--xla_backend_optimization_level=0"]).strip()
