@@ -91,11 +91,15 @@ def get_config() -> ml_collections.ConfigDict:
     # padding (0.511 real tokens, 0.799 sorted), and its warm steps ran 1.83-2.00x faster on
     # a 2-core Intel Xeon (benchmarks/RESULTS.md, "Length-sorted SFT passes"; False: one
     # [A, B, T] batch, T the step's longest row, the default until session 61).
+    # demo_seed: the seed of the demonstrator's detours (which train examples' demonstrations
+    # repeat a call, try a wrong tool or route); -1 uses `seed`. The detours are part of the
+    # SFT data, so a fixed value keeps one dataset across run seeds, as recorded demonstrations
+    # would be, and leaves `seed` the agents' initialization and the batches' order.
     c.sft = ml_collections.ConfigDict(dict(steps=600, shared_steps=600, batch_per_agent=8,
                                            learning_rate=5e-3, warmup_steps=20, weight_decay=0.0,
                                            clip_norm=1.0, demo_wrong_route=0.0,
                                            demo_wrong_tool=0.0, demo_redundant_call=0.6,
-                                           extra_worlds=0, sorted_passes=True))
+                                           extra_worlds=0, sorted_passes=True, demo_seed=-1))
 
     # LoRA (rank 0: full fine-tuning). rank > 0: each agent of the listed groups ("": all) trains
     # its own adapters (scaled by alpha / rank) on the projections whose name matches `targets`,

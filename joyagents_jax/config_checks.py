@@ -254,6 +254,7 @@ def _sft(c) -> Iterator[str]:
                     _number(c, "sft.clip_norm", low=0, low_open=True),
                     _number(c, "sft.extra_worlds", low=0, integer=True),
                     _flag(c, "sft.sorted_passes"),
+                    _number(c, "sft.demo_seed", low=-1, integer=True, why="-1 uses config.seed"),
                     *(_number(c, f"sft.demo_{k}", low=0, high=1, why="a rate")
                       for k in ("wrong_route", "wrong_tool", "redundant_call")))
     if c.sft.extra_worlds and c.dataset != "assistant_suite":

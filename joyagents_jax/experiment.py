@@ -66,6 +66,8 @@ class Experiment:
     def __init__(self, config: ml_collections.ConfigDict, workdir: str):
         config_checks.validate(config)
         self.config, self.workdir = config, workdir
+        # The demonstrator's detours: `sft.demo_seed`, or `seed` (-1); a dataset across seeds.
+        self.demo_seed = config.seed if config.sft.demo_seed < 0 else config.sft.demo_seed
         self.parts = components.build(config)
         self.sources = distributed.primary_first(  # process 0 prepares the data once
             "load_sources", lambda: load_sources(config, workdir))
@@ -303,7 +305,7 @@ class Experiment:
         examples = self._demo_examples()
         outputs = [demonstrator.outputs(agents, [(n.agent, n.output) for n in ex.gold],
                                         self.parts.demonstrator,
-                                        random.Random(f"{self.config.seed}/demo/{prefix}{i}"))
+                                        random.Random(f"{self.demo_seed}/demo/{prefix}{i}"))
                    for i, (agents, prefix, ex) in enumerate(examples)]
         most = max(map(len, outputs))
         if most > self.parts.limits.max_nodes:

@@ -465,6 +465,21 @@ def test_grpo_seed_draws_other_queries_after_the_same_sft_phase(data_dir, tmp_pa
     chex.assert_trees_all_equal(default.init_run().train, other.init_run().train)
 
 
+def test_demo_seed_fixes_the_demonstrations_across_run_seeds(data_dir, tmp_path):
+    """sft.demo_seed = -1 draws the demonstrator's detours from config.seed; a fixed value
+    gives every run seed the same demonstrations (its SFT dataset), while the seed still sets
+    the initial agents."""
+    make = lambda name, seed, **extra: evaluate.experiment.Experiment(
+        _config(data_dir=data_dir, seed=seed, **extra), str(tmp_path / name))
+    default, same = make("d", 3), make("s", 3, **{"sft.demo_seed": 3})
+    fixed3, fixed4 = make("f3", 3, **{"sft.demo_seed": 0}), make("f4", 4, **{"sft.demo_seed": 0})
+    assert (default.demo_seed, same.demo_seed, fixed4.demo_seed) == (3, 3, 0)
+    assert default.demos == same.demos != fixed3.demos == fixed4.demos
+    chex.assert_trees_all_equal(fixed3.init_run().train, default.init_run().train)
+    with pytest.raises(AssertionError):
+        chex.assert_trees_all_equal(fixed3.init_run().train, fixed4.init_run().train)
+
+
 def test_train_tasks_carry_their_gold_outputs(data_dir, tmp_path):
     """GRPO's tasks hold the gold trajectory's node outputs (grpo.gold_branches reads them):
     replayed, they answer their own query with the full R_A + R_F."""
