@@ -94,7 +94,8 @@ def get_config() -> ml_collections.ConfigDict:
     # demo_seed: the seed of the demonstrator's detours (which train examples' demonstrations
     # repeat a call, try a wrong tool or route); -1 uses `seed`. The detours are part of the
     # SFT data, so a fixed value keeps one dataset across run seeds, as recorded demonstrations
-    # would be, and leaves `seed` the agents' initialization and the batches' order.
+    # would be, and leaves to `seed` the agents' initialization, the SFT batches' order and
+    # GRPO's draws.
     c.sft = ml_collections.ConfigDict(dict(steps=600, shared_steps=600, batch_per_agent=8,
                                            learning_rate=5e-3, warmup_steps=20, weight_decay=0.0,
                                            clip_norm=1.0, demo_wrong_route=0.0,
