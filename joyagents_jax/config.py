@@ -18,6 +18,10 @@ SUB_AGENTS = ("qa", "efc", "gfc", "math")
 def get_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0
+    # init_seed: the seed of the agents' random initial weights (and LoRA adapters); -1 uses
+    # `seed`. A fixed value starts every run seed from the same weights, as a pretrained
+    # checkpoint does, and leaves to `seed` the SFT batches' order and GRPO's draws.
+    c.init_seed = -1
     # "suite_bpe": a byte-level BPE trained on the run's demonstrations (2.41x fewer ids than
     # "bytes"; needs the "tiny-bpe" model), so SFT and GRPO steps run over shorter sequences;
     # "bytes" (the default until session 64: `byte_default()`); or a folder with an HF

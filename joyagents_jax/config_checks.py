@@ -147,6 +147,7 @@ def _top_level(c) -> Iterator[str]:
     from joyagents_jax.data import assistant_suite
 
     yield from _all(_number(c, "seed", low=0, integer=True),
+                    _number(c, "init_seed", low=-1, integer=True, why="-1 uses config.seed"),
                     _choice(c, "dataset", ("assistant_suite", "gsm8k")),
                     _choice(c, "param_dtype", DTYPES), _choice(c, "dtype", DTYPES),
                     _choice(c, "attention_impl", ATTENTION_IMPLS), _flag(c, "remat"),

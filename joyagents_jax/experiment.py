@@ -68,6 +68,8 @@ class Experiment:
         self.config, self.workdir = config, workdir
         # The demonstrator's detours: `sft.demo_seed`, or `seed` (-1); a dataset across seeds.
         self.demo_seed = config.seed if config.sft.demo_seed < 0 else config.sft.demo_seed
+        # The agents' random initial weights: `init_seed`, or `seed` (-1).
+        self.init_seed = config.seed if config.init_seed < 0 else config.init_seed
         self.parts = components.build(config)
         self.sources = distributed.primary_first(  # process 0 prepares the data once
             "load_sources", lambda: load_sources(config, workdir))
@@ -138,7 +140,7 @@ class Experiment:
     def _init_train(self) -> ts.TrainState:
         """Random or checkpoint-loaded agents, SFT optimizer, reference = initial params; LoRA
         groups without a shared SFT phase get their adapters over the initial base now."""
-        key = jax.random.key(self.config.seed)
+        key = jax.random.key(self.init_seed)
         groups = {}
         for i, (g, spec) in enumerate(sorted(self.config.groups.items())):
             model, n = self.models[g], len(spec.agents)
@@ -159,7 +161,7 @@ class Experiment:
                     optim: ts.OptimConfig) -> ts.AgentGroup:
         """Group g's agents as fresh adapters (zero b: each agent is the base) over `base`."""
         cfg, n = self.parts.lora[g], self.group_sizes[g]
-        key = jax.random.fold_in(jax.random.key(self.config.seed), 3_000_017 + sorted(
+        key = jax.random.fold_in(jax.random.key(self.init_seed), 3_000_017 + sorted(
             self.config.groups).index(g))
         adapters = ts.stack_agents([lora.init_adapters(base, cfg, k)
                                     for k in jax.random.split(key, n)])

@@ -480,6 +480,24 @@ def test_demo_seed_fixes_the_demonstrations_across_run_seeds(data_dir, tmp_path)
         chex.assert_trees_all_equal(fixed3.init_run().train, fixed4.init_run().train)
 
 
+def test_init_seed_fixes_the_initial_agents_across_run_seeds(data_dir, tmp_path):
+    """init_seed = -1 draws the agents' initial weights from config.seed; a fixed value gives
+    every run seed the same weights (as a pretrained checkpoint would), while the seed still
+    sets the SFT batches."""
+    make = lambda name, seed, **extra: evaluate.experiment.Experiment(
+        _config(data_dir=data_dir, seed=seed, **extra), str(tmp_path / name))
+    default, same = make("d", 3), make("s", 3, init_seed=3)
+    fixed3, fixed4 = make("f3", 3, init_seed=0), make("f4", 4, init_seed=0)
+    assert (default.init_seed, same.init_seed, fixed4.init_seed) == (3, 3, 0)
+    chex.assert_trees_all_equal(default.init_run().train, same.init_run().train)
+    chex.assert_trees_all_equal(fixed3.init_run().train, fixed4.init_run().train)
+    with pytest.raises(AssertionError):
+        chex.assert_trees_all_equal(default.init_run().train, fixed3.init_run().train)
+    with pytest.raises(AssertionError):
+        chex.assert_trees_all_equal(fixed3.sft_iteration(fixed3.init_run())[0].train,
+                                    fixed4.sft_iteration(fixed4.init_run())[0].train)
+
+
 def test_train_tasks_carry_their_gold_outputs(data_dir, tmp_path):
     """GRPO's tasks hold the gold trajectory's node outputs (grpo.gold_branches reads them):
     replayed, they answer their own query with the full R_A + R_F."""
