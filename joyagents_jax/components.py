@@ -22,7 +22,7 @@ from joyagents_jax.sampling import SamplingConfig
 
 # Read by the train loop itself (how many steps, which batch), not by a component.
 LOOP_KEYS = ("sft.steps", "sft.shared_steps", "sft.batch_per_agent", "sft.extra_worlds",
-             "sft.sorted_passes", "sft.demo_seed",
+             "sft.sorted_passes", "sft.demo_seed", "sft.order",
              "grpo.steps", "grpo.queries", "grpo.memory_groups", "grpo.min_groups",
              "grpo.max_refills", "grpo.query_order", "grpo.self_imitation", "grpo.replay",
              "grpo.seed", "memory.enabled",

@@ -100,11 +100,16 @@ def get_config() -> ml_collections.ConfigDict:
     # SFT data, so a fixed value keeps one dataset across run seeds, as recorded demonstrations
     # would be, and leaves to `seed` the agents' initialization, the SFT batches' order and
     # GRPO's draws.
+    # order: each agent's step batch is drawn from its demonstrations with replacement
+    # ("random"; over the default's 600 steps the master, with 4,415 demonstrations, never
+    # sees a third of them, a different third per seed), or read from a seeded permutation
+    # per epoch ("epochs": every demonstration once per epoch).
     c.sft = ml_collections.ConfigDict(dict(steps=600, shared_steps=600, batch_per_agent=8,
                                            learning_rate=5e-3, warmup_steps=20, weight_decay=0.0,
                                            clip_norm=1.0, demo_wrong_route=0.0,
                                            demo_wrong_tool=0.0, demo_redundant_call=0.6,
-                                           extra_worlds=0, sorted_passes=True, demo_seed=-1))
+                                           extra_worlds=0, sorted_passes=True, demo_seed=-1,
+                                           order="random"))
 
     # LoRA (rank 0: full fine-tuning). rank > 0: each agent of the listed groups ("": all) trains
     # its own adapters (scaled by alpha / rank) on the projections whose name matches `targets`,

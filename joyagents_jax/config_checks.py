@@ -32,6 +32,7 @@ AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 ADVANTAGES = ("std", "no_std", "loo")
 OPTIMIZERS = ("adamw", "sgd")
 SCHEDULES = ("constant", "cosine")
+SFT_ORDERS = ("random", "epochs")
 MEMORY_GROUPS = ("keep", "drop")
 QUERY_ORDERS = ("traffic", "questions")
 UNBRANCHED_MEMORY = ("off", "eval", "all")
@@ -255,6 +256,7 @@ def _sft(c) -> Iterator[str]:
                     _number(c, "sft.clip_norm", low=0, low_open=True),
                     _number(c, "sft.extra_worlds", low=0, integer=True),
                     _flag(c, "sft.sorted_passes"),
+                    _choice(c, "sft.order", SFT_ORDERS),
                     _number(c, "sft.demo_seed", low=-1, integer=True, why="-1 uses config.seed"),
                     *(_number(c, f"sft.demo_{k}", low=0, high=1, why="a rate")
                       for k in ("wrong_route", "wrong_tool", "redundant_call")))

@@ -341,12 +341,8 @@ class Experiment:
     def sft_iteration(self, run: RunState) -> tuple[RunState, dict[str, float]]:
         """One SFT step on `sft.batch_per_agent` demonstrations of every agent."""
         step = int(run.step)
-        rng = np.random.default_rng([self.config.seed, step])
-        batch = []
-        for agent in self.config.agents:
-            pool = self.demos[agent]
-            for j in rng.integers(0, len(pool), self.config.sft.batch_per_agent):
-                batch.append((agent, *pool[j]))
+        batch = [(agent, *self.demos[agent][j])
+                 for agent, rows in self.sft_rows(step).items() for j in rows]
         shared = step < self.config.sft.shared_steps
         if shared and self.config.sft.sorted_passes:
             if "sorted_sft" not in self._jitted:
@@ -363,6 +359,24 @@ class Experiment:
         metrics["sft/loss"] = float(np.mean([metrics[f"sft/loss/{a}"] for a in self.config.agents]))
         metrics["sft/skipped"] = float(m["skipped"])
         return run.next(train), metrics
+
+    def sft_rows(self, step: int) -> dict[str, list[int]]:
+        """SFT step `step`'s demonstrations, per agent as indices into `self.demos[agent]`:
+        `sft.batch_per_agent` draws with replacement ("random"), or the next ones of a seeded
+        permutation of the agent's demonstrations per epoch ("epochs": each once an epoch)."""
+        b = self.config.sft.batch_per_agent
+        if self.config.sft.order == "random":
+            rng = np.random.default_rng([self.config.seed, step])
+            return {a: [int(j) for j in rng.integers(0, len(self.demos[a]), b)]
+                    for a in self.config.agents}
+        rows = {}
+        for i, agent in enumerate(self.config.agents):
+            n = len(self.demos[agent])
+            first, last = step * b // n, ((step + 1) * b - 1) // n
+            orders = np.concatenate([np.random.default_rng([self.config.seed, 17, i, e])
+                                     .permutation(n) for e in range(first, last + 1)])
+            rows[agent] = orders[step * b - first * n:(step + 1) * b - first * n].tolist()
+        return rows
 
     def _grpo_pool(self) -> list[int]:
         """The train records GRPO draws queries from (`grpo.query_order`): all of them, or the

@@ -72,6 +72,7 @@ def test_the_default_the_byte_default_and_real_checkpoint_configs_are_valid(tmp_
     ({"grpo__seed": -2}, "config.grpo.seed=-2: must be >= -1 (-1 uses config.seed)"),
     ({"sft__demo_seed": -2}, "config.sft.demo_seed=-2: must be >= -1 (-1 uses config.seed)"),
     ({"init_seed": -3}, "config.init_seed=-3: must be >= -1 (-1 uses config.seed)"),
+    ({"sft__order": "sorted"}, "config.sft.order='sorted': not one of random, epochs"),
     ({"grpo__group_size": 1}, "config.grpo.group_size=1: must be >= 2"),
     ({"grpo__mode": "beam"}, "config.grpo.mode='beam': not one of nodewise"),
     ({"grpo__micro_batch": 12}, "config.grpo.micro_batch=12: must be a power of two"),

@@ -498,6 +498,29 @@ def test_init_seed_fixes_the_initial_agents_across_run_seeds(data_dir, tmp_path)
                                     fixed4.sft_iteration(fixed4.init_run())[0].train)
 
 
+def test_sft_order_draws_with_replacement_or_reads_each_demonstration_once_per_epoch(
+        data_dir, tmp_path):
+    """sft.order="random" (the default) draws each agent's step rows with replacement from
+    (seed, step); "epochs" reads a seeded permutation per epoch, so the first len(pool)
+    positions hold every demonstration once, and so do the next, in another order."""
+    make = lambda name, seed, order: evaluate.experiment.Experiment(
+        _config(data_dir=data_dir, seed=seed, **{"sft.order": order}), str(tmp_path / name))
+    drawn, epochs, other = make("r", 3, "random"), make("e", 3, "epochs"), make("o", 4, "epochs")
+    b = drawn.config.sft.batch_per_agent
+    rng = np.random.default_rng([3, 5])
+    assert drawn.sft_rows(5) == {a: rng.integers(0, len(drawn.demos[a]), b).tolist()
+                                 for a in drawn.config.agents}
+    n = {a: len(pool) for a, pool in epochs.demos.items()}
+    steps = -(-2 * max(n.values()) // b)
+    rows = {a: sum((epochs.sft_rows(k)[a] for k in range(steps)), []) for a in n}
+    for agent, read in rows.items():
+        first, second = read[:n[agent]], read[n[agent]:2 * n[agent]]
+        assert sorted(first) == sorted(second) == list(range(n[agent]))
+        assert first != second
+        chex.assert_shape(np.asarray(epochs.sft_rows(steps)[agent]), (b,))
+    assert epochs.sft_rows(7) == make("e2", 3, "epochs").sft_rows(7) != other.sft_rows(7)
+
+
 def test_train_tasks_carry_their_gold_outputs(data_dir, tmp_path):
     """GRPO's tasks hold the gold trajectory's node outputs (grpo.gold_branches reads them):
     replayed, they answer their own query with the full R_A + R_F."""
