@@ -20,7 +20,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.seed = 0
     # init_seed: the seed of the agents' random initial weights (and LoRA adapters); -1 uses
     # `seed`. A fixed value starts every run seed from the same weights, as a pretrained
-    # checkpoint does, and leaves to `seed` the SFT batches' order and GRPO's draws.
+    # checkpoint does, and leaves to `seed` the SFT batches' order and GRPO's draws. With
+    # init_seed=0 and sft.demo_seed=0, SFT alone still ended 0.595-0.725 on seeds 0-9 (sd 4.3,
+    # against 5.2 with per-seed weights; benchmarks/RESULTS.md, "What the SFT start's spread
+    # comes from").
     c.init_seed = -1
     # "suite_bpe": a byte-level BPE trained on the run's demonstrations (2.41x fewer ids than
     # "bytes"; needs the "tiny-bpe" model), so SFT and GRPO steps run over shorter sequences;
@@ -103,7 +106,10 @@ def get_config() -> ml_collections.ConfigDict:
     # order: each agent's step batch is drawn from its demonstrations with replacement
     # ("random"; over the default's 600 steps the master, with 4,415 demonstrations, never
     # sees a third of them, a different third per seed), or read from a seeded permutation
-    # per epoch ("epochs": every demonstration once per epoch).
+    # per epoch ("epochs": every demonstration once per epoch). Under demo_seed=0 on seeds
+    # 0-9 SFT alone ended at 0.640 (sd 6.7) with "epochs" against 0.624 (sd 5.2): the start
+    # is no steadier for seeing every demonstration (benchmarks/RESULTS.md, "What the SFT
+    # start's spread comes from").
     c.sft = ml_collections.ConfigDict(dict(steps=600, shared_steps=600, batch_per_agent=8,
                                            learning_rate=5e-3, warmup_steps=20, weight_decay=0.0,
                                            clip_norm=1.0, demo_wrong_route=0.0,
