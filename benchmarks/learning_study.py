@@ -447,6 +447,32 @@ def flip_listing(runs: list[dict], qid: list[str], train: collections.Counter) -
     return "\n".join(lines)
 
 
+def popularity_table(runs: list[dict], qid: list[str], train: collections.Counter,
+                     popular: int = 20) -> str:
+    """A Markdown table of each GRPO variant's `test` queries fixed / broken against SFT (summed
+    over its seeds) on popular questions (at least `popular` records in `train`) and on rare
+    ones; "" when no run has per-query answers. A popular question recurs in `test`, so one
+    flip of it moves several queries at once, a rare one a single query."""
+    sft = {run_key(r): r for r in runs if r["variant"] == "sft_only"}
+    pop = np.array([train[q] >= popular for q in qid])
+    sums: dict[str, np.ndarray] = {}
+    for r in runs:
+        masks = None if is_sft(r["variant"]) else flip_masks(r, sft.get(run_key(r)))
+        if masks:
+            fixed, broken = masks
+            sums[r["variant"]] = sums.get(r["variant"], 0) + np.array(
+                [(fixed & pop).sum(), (broken & pop).sum(), (fixed & ~pop).sum(),
+                 (broken & ~pop).sum(), 1])
+    if not sums:
+        return ""
+    lines = [f"| variant | seeds | popular (>= {popular} train records, {pop.sum()} of "
+             f"{len(qid)} test queries): fixed / broken | rare: fixed / broken | net |",
+             "|---|---|---|---|---|"]
+    for name, (fp, bp, fr, br, n) in sorted(sums.items()):
+        lines.append(f"| {name} | {n} | {fp} / {bp} | {fr} / {br} | {fp - bp + fr - br:+d} |")
+    return "\n".join(lines)
+
+
 def report(root: str, out_md: str, out_png: str) -> str:
     runs = [json.load(open(os.path.join(root, f))) for f in sorted(os.listdir(root))
             if f.startswith("result_") and f.endswith(".json")]
@@ -504,6 +530,10 @@ def report(root: str, out_md: str, out_png: str) -> str:
     listing = flip_listing(runs, qid, train) if qid else ""
     if listing:
         table += "\n\nTest queries fixed and broken by GRPO, by question:\n\n" + listing
+    popularity = popularity_table(runs, qid, train) if qid else ""
+    if popularity:
+        table += ("\n\nTest queries fixed and broken by GRPO on popular and rare questions:"
+                  "\n\n" + popularity)
     with open(out_md, "w") as f:
         f.write(table + "\n")
     study_figure(by_variant).savefig(out_png, dpi=120)

@@ -209,3 +209,16 @@ def test_study_figure_labels_token_ticks_in_thousands_on_both_panels():
 def test_every_variant_is_a_valid_config(name):
     """A variant whose overrides the config checks refuse would fail only after its SFT."""
     assert config_checks.problems(ls.config_for(0, ls.VARIANTS[name][1])) == []
+
+
+def test_popularity_table_splits_fixed_and_broken_queries_by_the_questions_train_records():
+    import collections
+    qid = ["a", "a", "b", "c"]
+    train = collections.Counter({"a": 30, "b": 2, "c": 25})
+    sft = lambda s: {"variant": "sft_only", "seed": s, "test_answers_no_memory": [1, 1, 0, 1]}
+    run = lambda s, ans: {"variant": "default", "seed": s, "test_answers_no_memory": ans}
+    runs = [sft(0), sft(1), run(0, [0, 0, 1, 1]), run(1, [1, 1, 1, 0])]
+    table = ls.popularity_table(runs, qid, train)
+    assert "3 of 4 test queries" in table
+    assert table.splitlines()[-1] == "| default | 2 | 0 / 3 | 2 / 0 | -1 |"
+    assert ls.popularity_table([sft(0)], qid, train) == ""
