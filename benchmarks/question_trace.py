@@ -10,7 +10,8 @@ study pins them, so its steps are the study's run of that seed and variant. Afte
 step it answers the questions' `test` queries greedily with the policies alone and keeps the
 step's node groups with a reward spread (trajectory mode: (query, agent) groups) that belong to
 a train query of the questions: each member's reward and whether it is the memory's stored
-output. A popular question can move a seed's accuracy by 2-4 points when it flips; this shows
+output; where a question's right answers change, its first test query's episode before and
+after. A popular question can move a seed's accuracy by 2-4 points when it flips; this shows
 whether its own groups were contested before (the policy's samples split between the right
 output and another) and whether the run settled them. Writes `<root>/trace_<variant>_s<seed>.json`
 and prints one line per step and, per (question, agent, node), the contest's summary.
@@ -91,11 +92,15 @@ class TracedExperiment(experiment.Experiment):
         return result, refills
 
 
-def answered(exp: experiment.Experiment, run, exs: list[suite.Example]) -> list[float]:
-    """R_A of each example's greedy episode by the policies alone."""
+def answered(exp: experiment.Experiment, run, exs: list[suite.Example]
+             ) -> tuple[int, list[str]]:
+    """The examples the policies alone answer right greedily, and the first example's episode
+    ("agent: output" per node)."""
     engine = rollout.Rollout(exp.system, exp.tokenizer, exp.policy(
         run.train, jax.random.key(0), greedy=True), exp.parts.rollout, None)
-    return [float(p.r_answer) for p in engine.episodes([experiment.task_of(e) for e in exs]).rewards]
+    result = engine.episodes([experiment.task_of(e) for e in exs])
+    episode = [f"{n.agent}: {n.output}" for n in result.episodes[0].episode.nodes]
+    return int(sum(float(p.r_answer) for p in result.rewards)), episode
 
 
 def trace(root: str, seed: int, questions: list[str], variant: str, extra: dict, tokens: int,
@@ -117,8 +122,8 @@ def trace(root: str, seed: int, questions: list[str], variant: str, extra: dict,
     source = exp.sources["train"]
     of_query = {e.query: e.question_id for e in (suite.decode(source[i])
                                                  for i in range(len(source)))}
-    alone = lambda run: {q: int(sum(answered(exp, run, e))) for q, e in exs.items()}
-    start = alone(run)
+    episodes = {q: answered(exp, run, e) for q, e in exs.items()}
+    start = {q: n for q, (n, _) in episodes.items()}
     print(f"SFT: {start} right of {({q: len(e) for q, e in exs.items()})}", flush=True)
     run, steps, generated = exp.start_grpo(run), [], 0
     for k in range(max_steps):
@@ -130,7 +135,12 @@ def trace(root: str, seed: int, questions: list[str], variant: str, extra: dict,
                   for t in exp.last_tasks]
         step = {"step": k + 1, "tokens": generated,
                 "queries": {q: traced.count(q) for q in questions},
-                "groups": question_groups(exp.last_rollout.samples, traced), "alone": alone(run)}
+                "groups": question_groups(exp.last_rollout.samples, traced)}
+        now = {q: answered(exp, run, e) for q, e in exs.items()}
+        step["alone"] = {q: n for q, (n, _) in now.items()}
+        step["flipped"] = {q: {"before": episodes[q][1], "after": ep} for q, (n, ep) in now.items()
+                           if n != episodes[q][0]}  # the first test query's episode, alone
+        episodes = now
         steps.append(step)
         print(json.dumps(step), flush=True)
     return {"seed": seed, "variant": variant, "overrides": extra, "questions": questions,
