@@ -105,20 +105,23 @@ def answered(exp: experiment.Experiment, run, exs: list[suite.Example]
 
 def trace(root: str, seed: int, questions: list[str], variant: str, extra: dict, tokens: int,
           max_steps: int) -> dict:
+    """The variant's GRPO run of the seed until `tokens` sampler tokens or `max_steps` steps,
+    one record per step (see the module's docstring)."""
     data_dir = os.path.join(root, "data")
     overrides = {**ls.VARIANTS[variant][1], **extra}
-    tag = variant if ls.sft_overrides(ls.VARIANTS[variant][1]) else ""
-    sft_dir = ls.sft_checkpoint(root, seed, data_dir, overrides, tag)
     c = ls.config_for(seed, {**overrides, "data_dir": data_dir})
-    exp = TracedExperiment(c, os.path.join(root, f"trace_{variant}_s{seed}"))
-    with checkpoint.Checkpointer(os.path.join(sft_dir, "checkpoints"), keep=10) as ckpt:
-        run = train.restore(exp, ckpt)
-    test = [suite.decode(exp.sources["test"][i]) for i in range(ls.SPLITS["test"])]
+    sources = experiment.load_sources(c, root)  # built on first use, as the study builds it
+    test = [suite.decode(sources["test"][i]) for i in range(ls.SPLITS["test"])]
     exs = {q: [e for e in test if e.question_id == q] for q in questions}
     missing = [q for q, e in exs.items() if not e]
     if missing:
         raise SystemExit(f"No test query of question(s) {missing} among the first "
                          f"{ls.SPLITS['test']}; pick questions that `test` holds.")
+    tag = variant if ls.sft_overrides(ls.VARIANTS[variant][1]) else ""
+    sft_dir = ls.sft_checkpoint(root, seed, data_dir, overrides, tag)
+    exp = TracedExperiment(c, os.path.join(root, f"trace_{variant}_s{seed}"))
+    with checkpoint.Checkpointer(os.path.join(sft_dir, "checkpoints"), keep=10) as ckpt:
+        run = train.restore(exp, ckpt)
     source = exp.sources["train"]
     of_query = {e.query: e.question_id for e in (suite.decode(source[i])
                                                  for i in range(len(source)))}
@@ -149,6 +152,7 @@ def trace(root: str, seed: int, questions: list[str], variant: str, extra: dict,
 
 
 def report(out: dict) -> str:
+    """Per traced (question, agent, node) its contest, per question its flips."""
     lines = []
     for (q, agent, node), c in sorted(contests(out["steps"]).items()):
         lines.append(f"{q} {agent} node {node}: contested at steps {c['steps']}, "
@@ -172,9 +176,13 @@ def main() -> None:
     args = p.parse_args()
     if ls.is_sft(args.variant):
         raise SystemExit(f"{args.variant} runs no GRPO step: trace a GRPO variant.")
+    extra = ls.parse_overrides(args.set)
+    if clash := ls.conflicts(args.variant, extra):
+        raise SystemExit(f"--set overrides {clash}, which variant {args.variant!r} sets "
+                         f"itself; drop them or trace another variant.")
     xla_flags.pin_cpu_numerics()  # the study's numbers (before JAX's backend starts)
-    out = trace(args.root, args.seed, args.questions.split(","), args.variant,
-                ls.parse_overrides(args.set), args.tokens, args.max_steps)
+    out = trace(args.root, args.seed, args.questions.split(","), args.variant, extra,
+                args.tokens, args.max_steps)
     path = os.path.join(args.root, f"trace_{args.variant}_s{args.seed}.json")
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
