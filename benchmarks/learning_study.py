@@ -37,6 +37,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
+import jax
 import numpy as np
 
 if TYPE_CHECKING:  # matplotlib loads only where a figure is drawn
@@ -261,8 +262,9 @@ def run_variant(root: str, seed: int, name: str, tokens: int, max_steps: int,
             if select_every and ((k + 1) % select_every == 0 or last):
                 acc = exp.evaluate(run, "dev", use_memory=False)["eval/dev/accuracy"]
                 dev_curve.append((k + 1, acc))
-                if selected is None or acc >= selected[1]:
-                    selected = (k + 1, acc, run.train)
+                if selected is None or acc >= selected[1]:  # a copy: later steps donate theirs
+                    selected = (k + 1, acc, jax.tree.map(
+                        lambda x: x.copy() if isinstance(x, jax.Array) else x, run.train))
     if selected is not None:
         run = run.replace(train=selected[2])
     ev, per_query = evaluate(exp, run)
