@@ -223,8 +223,8 @@ def run_variant(root: str, seed: int, name: str, tokens: int, max_steps: int,
     held-out accuracy against sampler tokens. Every `select_every` steps (0: never) they are
     evaluated greedily alone on `select_examples` train records (`dev_rows`), and after the last
     step, and the final evaluation scores the policies of the best such step (the last on ties;
-    the memory stays the run's last): selection on the training traffic, never on `test`. Evaluations change
-    nothing the run trains."""
+    the memory stays the run's last): selection on the training traffic, never on `test`.
+    Evaluations change nothing the run trains."""
     data_dir = os.path.join(root, "data")
     overrides = {**VARIANTS[name][1], **(extra or {})}
     tag = name if sft_overrides(VARIANTS[name][1]) else ""
@@ -649,7 +649,8 @@ def main() -> None:
                    help="evaluate test without the memory every N GRPO steps (0: at the end)")
     p.add_argument("--select_every", type=int, default=0,
                    help="every N GRPO steps evaluate the policies alone on a slice of train and "
-                        "score the best such step's policies at the end (0: the last step's)")
+                        "score the best such step's policies at the end (0: the last step's; "
+                        "use a separate --root: results are cached by seed and variant)")
     p.add_argument("--select_examples", type=int, default=120,
                    help="train records in the selection slice")
     p.add_argument("--report", action="store_true", help="only aggregate the cached runs")
