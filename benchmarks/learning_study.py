@@ -37,7 +37,6 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-import jax
 import numpy as np
 
 if TYPE_CHECKING:  # matplotlib loads only where a figure is drawn
@@ -46,7 +45,7 @@ if TYPE_CHECKING:  # matplotlib loads only where a figure is drawn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import hardware  # noqa: E402
-from joyagents_jax import checkpoint, experiment, train, xla_flags  # noqa: E402
+from joyagents_jax import checkpoint, experiment, selection, train, xla_flags  # noqa: E402
 from joyagents_jax import config as config_lib  # noqa: E402
 from joyagents_jax.data import assistant_suite as suite  # noqa: E402
 
@@ -207,13 +206,6 @@ def evaluate(exp: experiment.Experiment, run) -> tuple[dict[str, float], dict[st
     return out, per_query
 
 
-def dev_rows(num_train: int, examples: int) -> list[int]:
-    """The train records of the selection slice: one seeded draw, the same for every run, so
-    runs of one seed are selected on the same queries."""
-    return sorted(np.random.default_rng(20_261_206).choice(
-        num_train, min(examples, num_train), replace=False).tolist())
-
-
 def run_variant(root: str, seed: int, name: str, tokens: int, max_steps: int,
                 extra: dict | None = None, eval_every: int = 0, select_every: int = 0,
                 select_examples: int = 120) -> dict:
@@ -221,7 +213,8 @@ def run_variant(root: str, seed: int, name: str, tokens: int, max_steps: int,
     evaluation. `extra`: config overrides on top of the variant's. Every `eval_every` steps
     (0: never) the policies are also evaluated on `test` without the memory, for the curve of
     held-out accuracy against sampler tokens. Every `select_every` steps (0: never) they are
-    evaluated greedily alone on `select_examples` train records (`dev_rows`), and after the last
+    evaluated greedily alone on `select_examples` train records (`selection.slice_rows`), and
+    after the last
     step, and the final evaluation scores the policies of the best such step (the last on ties;
     the memory stays the run's last): selection on the training traffic, never on `test`.
     Evaluations change nothing the run trains."""
@@ -239,7 +232,8 @@ def run_variant(root: str, seed: int, name: str, tokens: int, max_steps: int,
     start, curve, generated = time.time(), [], 0
     if select_every:
         train_src = exp.sources["train"]
-        exp.sources["dev"] = [train_src[i] for i in dev_rows(len(train_src), select_examples)]
+        exp.sources["dev"] = [train_src[i] for i in selection.slice_rows(len(train_src),
+                                                                          select_examples)]
     selected, dev_curve = None, []
     if not is_sft(name):
         run = exp.start_grpo(run)
@@ -259,14 +253,13 @@ def run_variant(root: str, seed: int, name: str, tokens: int, max_steps: int,
                                                            use_memory=False)["eval/test/accuracy"]
             curve.append(point)
             last = generated >= tokens or k + 1 == max_steps
-            if select_every and ((k + 1) % select_every == 0 or last):
+            if selection.due(k + 1, select_every, last):
                 acc = exp.evaluate(run, "dev", use_memory=False)["eval/dev/accuracy"]
                 dev_curve.append((k + 1, acc))
-                if selected is None or acc >= selected[1]:  # a copy: later steps donate theirs
-                    selected = (k + 1, acc, jax.tree.map(
-                        lambda x: x.copy() if isinstance(x, jax.Array) else x, run.train))
+                selected = selection.keep(selected or selection.start(run.train), run.train,
+                                          k + 1, acc)
     if selected is not None:
-        run = run.replace(train=selected[2])
+        run = run.replace(train=selection.apply(run.train, selected))
     ev, per_query = evaluate(exp, run)
     alone = lambda key: ev.get(key.replace("eval/", "eval_nomem/", 1), ev[key])
     return {"seed": seed, "variant": name, "steps": len(curve), "generated_tokens": generated,
@@ -277,7 +270,8 @@ def run_variant(root: str, seed: int, name: str, tokens: int, max_steps: int,
             **per_query, "overrides": extra or {}, "device": hardware.device_name(),
             "commit": hardware.git_commit(),
             **({"select_every": select_every, "select_examples": select_examples,
-                "selected_step": selected[0], "dev_curve": dev_curve} if selected else {})}
+                "selected_step": int(selected.step), "dev_curve": dev_curve} if selected
+               else {})}
 
 
 def run_key(run: dict) -> tuple[int, str | None]:

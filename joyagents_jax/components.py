@@ -25,7 +25,7 @@ LOOP_KEYS = ("sft.steps", "sft.shared_steps", "sft.batch_per_agent", "sft.extra_
              "sft.sorted_passes", "sft.demo_seed", "sft.order",
              "grpo.steps", "grpo.queries", "grpo.memory_groups", "grpo.min_groups",
              "grpo.max_refills", "grpo.query_order", "grpo.self_imitation", "grpo.replay",
-             "grpo.seed", "memory.enabled",
+             "grpo.seed", "grpo.select_every", "grpo.select_examples", "memory.enabled",
              "memory.in_rollouts")
 
 

@@ -258,6 +258,14 @@ def get_config() -> ml_collections.ConfigDict:
     # draws); -1 uses `seed`. The SFT phase depends on `seed` alone, so another value runs a
     # second RL seed from the same end-of-SFT checkpoint, which separates the spread GRPO
     # adds from the spread of the SFT policies it starts from.
+    # select_every = N > 0: every N GRPO steps and after the last, the policies alone answer
+    # `select_examples` train records (one seeded slice, greedy, without the memory), and the
+    # run reports and exports the best-scoring step's policies (the latest on ties) beside its
+    # last memory; training is unchanged (`joyagents_jax/selection.py`). 0: the last step's.
+    # In `benchmarks/learning_study.py` on an AMD EPYC (family 26 model 2), N = 4 left the
+    # default's policies alone at 0.665 / 0.660 / 0.670 / 0.725 / 0.630 on seeds 0-4 against
+    # the last step's 0.640 / 0.645 / 0.640 / 0.685 / 0.660 (34 / 18 test queries won / lost;
+    # benchmarks/RESULTS.md, "Choosing the GRPO iterate on the training traffic").
     c.grpo = ml_collections.ConfigDict(dict(
         steps=44, queries=36, group_size=4, mode="nodewise", topk=0, select="groups",
         micro_batch=16, inner_steps=2, beta=0.04, eps_low=0.2, eps_high=0.28, kl="k3",
@@ -268,7 +276,7 @@ def get_config() -> ml_collections.ConfigDict:
         query_order="traffic", grounding_match="word", memory_branches=True, neg_weight=1.0,
         gold_branches=False, share_identical=True, suffix_credit=False, greedy_completions=False,
         self_imitation=0, subagent_credit=False, branch_agents="", branch_min_change=0.0,
-        unbranched_memory="eval", replay=12, seed=-1))
+        unbranched_memory="eval", replay=12, seed=-1, select_every=0, select_examples=120))
 
     # Reuse needs a (near-)identical node input: with mean-pooled embeddings of a tiny model,
     # different prompts of one agent reach cosine 0.9996 (measured). Hints are off by default

@@ -312,7 +312,12 @@ def _grpo(c) -> Iterator[str]:
                             why="a chance that a sample differs from tau0's; 0 branches at "
                                 "every node"),
                     _number(c, "grpo.replay", low=0, integer=True,
-                            why="queries asked again the next step; 0 = off"))
+                            why="queries asked again the next step; 0 = off"),
+                    _number(c, "grpo.select_every", low=0, integer=True,
+                            why="GRPO steps between scorings of the policies; 0 = the last "
+                                "step's policies"),
+                    _number(c, "grpo.select_examples", low=1, integer=True,
+                            why="train records the policies are scored on"))
     if isinstance(g.replay, int) and isinstance(g.queries, int) and g.replay >= g.queries >= 1:
         yield (f"config.grpo.replay={g.replay}: a step re-asks at most grpo.replay of the "
                f"previous step's queries in place of fresh ones, so it must stay below "

@@ -1,7 +1,8 @@
 """`joyagents eval --workdir DIR [--step N]`: held-out accuracy of a trained run.
 
 Per-domain accuracy on `test` and `test_novel`, mean reward parts, LLM calls per query, memory
-hit rate, tokens and seconds per query, with and without the memory. Writes `eval_<step>.json`
+hit rate, tokens and seconds per query, with and without the memory; a finished run's chosen
+policies where `grpo.select_every` chose them. Writes `eval_<step>.json`
 and `eval_<step>.md` into the workdir and prints the table.
 """
 
@@ -76,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"joyagents eval: {e}", file=sys.stderr)
         return 2
+    policies_step, run = exp.chosen_step(run), exp.chosen(run)
     results = {}
     for split in ("test", "test_novel"):
         for name, use_memory in (("memory", True), ("no memory", False)):
@@ -89,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     with open(out + ".json", "w") as f:
         json.dump(results, f, indent=2)
     md = table(results)
+    if policies_step != int(run.step):
+        md += (f"\n\nThe policies of step {policies_step}, chosen on the training traffic "
+               f"(config.grpo.select_every); the memory of step {int(run.step)}.")
     with open(out + ".md", "w") as f:
         f.write(md + "\n")
     print(md)

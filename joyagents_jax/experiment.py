@@ -32,7 +32,7 @@ from joyagents_jax.models import hf_io, lora, presets, qwen2
 from joyagents_jax.rl import grpo_step, memory_hook, rollout
 from joyagents_jax.rl import memory as mem
 from joyagents_jax.rl import self_imitation
-from joyagents_jax import run_state
+from joyagents_jax import run_state, selection
 from joyagents_jax.run_state import RunState
 from joyagents_jax.sampling import Sampler
 from joyagents_jax.tokenizers import (BPETokenizer, ByteTokenizer, Tokenizer, load_tokenizer,
@@ -73,6 +73,10 @@ class Experiment:
         self.parts = components.build(config)
         self.sources = distributed.primary_first(  # process 0 prepares the data once
             "load_sources", lambda: load_sources(config, workdir))
+        if config.grpo.select_every:  # the train records `select` scores the policies on
+            train = self.sources["train"]
+            self.sources["select"] = [train[i] for i in selection.slice_rows(
+                len(train), config.grpo.select_examples)]
         self.system = system.make_system(suite.suite_world(config.suite),
                                          agents=[a for a in config.agents if a != protocol.MASTER],
                                          limits=self.parts.limits)
@@ -233,7 +237,9 @@ class Experiment:
         tables = ({} if self.memory is None else sharding.replicate(memory_hook.init_tables(
             self.parts.memory, memory_hook.group_models(train)), self.mesh))
         replay = self._replay_array([]) if self.config.grpo.replay else run_state.OFF
-        return run.replace(train=train, memory=tables, replay=replay, phase="grpo")
+        selected = selection.start(train) if self.config.grpo.select_every else run_state.OFF
+        return run.replace(train=train, memory=tables, replay=replay, selected=selected,
+                           phase="grpo")
 
     def _place(self, state: ts.TrainState) -> ts.TrainState:
         """The state in its partition-rule shardings on the mesh, or committed to the one
@@ -606,6 +612,44 @@ class Experiment:
                 "rollout/sample_seconds": c.seconds["sample"],
                 "rollout/memory_lookup_seconds": c.seconds["memory_lookup"],
                 "rollout/tokens_per_second": c.generated_tokens / max(seconds, 1e-9)}
+
+    # -- choosing the iterate (`grpo.select_every`) -------------------------------------------
+
+    def selection_due(self, run: RunState) -> bool:
+        """Whether the GRPO step `run` just finished is scored."""
+        k, steps = int(run.step) - self.config.sft.steps, self.config.grpo.steps
+        return run.selects and selection.due(k, self.config.grpo.select_every, k == steps)
+
+    def select(self, run: RunState) -> tuple[RunState, dict[str, float]]:
+        """Scores the policies alone on the selection slice; keeps them when they are the best
+        so far. Metrics: their accuracy there and the chosen GRPO step."""
+        accuracy = self.evaluate(run, "select", use_memory=False)["eval/select/accuracy"]
+        chosen = selection.keep(run.selected, run.train, int(run.step), accuracy)
+        return run.replace(selected=chosen), {
+            "select/accuracy": accuracy,
+            "select/chosen_step": float(int(chosen.step) - self.config.sft.steps)}
+
+    def _chose(self, run: RunState) -> bool:
+        """Whether `run` ended GRPO with chosen policies."""
+        end = self.config.sft.steps + self.config.grpo.steps
+        return run.selects and int(run.step) == end and int(run.selected.step) >= 0
+
+    def chosen(self, run: RunState) -> RunState:
+        """The run's result: at the end of GRPO with selection on, the chosen policies (the
+        memory and all else the last step's); otherwise `run` itself."""
+        return run.replace(train=selection.apply(run.train, run.selected)) if self._chose(
+            run) else run
+
+    def chosen_step(self, run: RunState) -> int:
+        """The run step of the policies `chosen(run)` holds."""
+        return int(run.selected.step) if self._chose(run) else int(run.step)
+
+    def with_selection(self, run: RunState, on: bool) -> RunState:
+        """A GRPO state with a chosen-iterate node (nothing chosen yet where it had none) or
+        without one: a restore builds the checkpoint's tree, then follows the config."""
+        if run.phase != "grpo" or run.selects == on:
+            return run
+        return run.replace(selected=selection.start(run.train) if on else run_state.OFF)
 
     # -- evaluation --------------------------------------------------------------------------
 

@@ -4,7 +4,8 @@ Writes `<out>/<agent>/` (config.json, generation_config.json, safetensors) that
 `transformers.AutoModelForCausalLM.from_pretrained` (or vLLM) loads, with the run's tokenizer
 files when it used an HF tokenizer, and `<out>/memory.jsonl` with the decoded memory entries.
 A LoRA agent's folder holds its adapters merged into the base; `<out>/lora/<agent>/` holds the
-adapters alone as a PEFT folder, over the group's base `<out>/lora/base_<group>/`.
+adapters alone as a PEFT folder, over the group's base `<out>/lora/base_<group>/`. A finished
+run with `grpo.select_every` exports its chosen policies (`export.json` names their step).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ def export(workdir: str, out: str, step: int | None = None, dtype: str | None = 
     """Exports the run's agents; returns the folders written. In a multi-process job every
     process gathers the weights (a collective) and process 0 writes."""
     exp, run = evaluate.load_run(workdir, step)
+    policies_step, run = exp.chosen_step(run), exp.chosen(run)
     primary = distributed.is_primary()
     if primary:
         os.makedirs(out, exist_ok=True)
@@ -64,6 +66,7 @@ def export(workdir: str, out: str, step: int | None = None, dtype: str | None = 
     if primary:
         with open(os.path.join(out, "export.json"), "w") as f:
             json.dump({"workdir": os.path.abspath(workdir), "step": int(run.step),
+                       "policies_step": policies_step,
                        "agents": sorted(exp.slots)}, f, indent=2)
     return written
 

@@ -1,7 +1,8 @@
 """`RunState`: everything a run resumes from, as one pytree that checkpoints whole.
 
 The agents' train state (params, optimizer state, frozen reference), the memory tables, the
-train records GRPO re-asks next (`grpo.replay`) and the step. The data position is the step:
+train records GRPO re-asks next (`grpo.replay`), the chosen iterate (`grpo.select_every`) and
+the step. The data position is the step:
 the step's fresh queries and every random draw derive from (seed, step), so restoring a
 `RunState` resumes exactly. The phase is static (it decides the tree's structure: the SFT or
 the GRPO optimizer, memory tables or none). Without replay the tree has no `replay` node at
@@ -15,11 +16,13 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from joyagents_jax import selection
 from joyagents_jax import train_state as ts
 from joyagents_jax.rl.memory import MemoryTable
 
-_ARRAY_FIELDS = ("train", "memory", "step", "replay")
-# `RunState.replay` with replay off: not a tree node (None cannot mark it: tree utilities
+_ARRAY_FIELDS = ("train", "memory", "step", "replay", "selected")
+_OPTIONAL = ("replay", "selected")
+# `RunState.replay` / `.selected` when off: not a tree node (None cannot mark it: tree utilities
 # unflatten with None in place of every leaf).
 OFF = ()
 
@@ -32,6 +35,8 @@ class RunState:
     # [R] int32: the train records the next GRPO step re-asks (`grpo.replay`), -1 padding;
     # OFF in SFT or with replay off.
     replay: jax.Array | tuple = OFF
+    # the best-scored GRPO iterate so far (`selection`); OFF in SFT or with selection off.
+    selected: selection.Selected | tuple = OFF
     phase: str = dataclasses.field(default="sft", metadata={"pytree_node": False})  # or "grpo"
 
     def replace(self, **changes) -> RunState:
@@ -60,10 +65,15 @@ class RunState:
     def replays(self) -> bool:
         return self.replay is not OFF
 
+    @property
+    def selects(self) -> bool:
+        return self.selected is not OFF
+
 
 def _flatten(run: RunState):
-    """Children keyed by field name, `replay` only when set; the phase is static."""
-    names = [n for n in _ARRAY_FIELDS if n != "replay" or run.replays]
+    """Children keyed by field name, `replay` and `selected` only when set; the phase is
+    static."""
+    names = [n for n in _ARRAY_FIELDS if n not in _OPTIONAL or getattr(run, n) is not OFF]
     return ([(jax.tree_util.GetAttrKey(n), getattr(run, n)) for n in names],
             (tuple(names), run.phase))
 

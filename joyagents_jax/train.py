@@ -66,7 +66,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
     if int(run.step) < total:  # preempted: the checkpoint is saved, a rerun resumes
         return last_eval
     if not last_eval:  # resumed at the last step (a stop between its save and the report)
-        last_eval = evaluate_all(exp, run, policy_alone=True)
+        last_eval = final_evaluation(exp, run)
     if primary:
         plots.plot_workdir(workdir)
         tmp = os.path.join(workdir, workdir_lib.FINAL_EVAL + ".tmp")
@@ -99,8 +99,14 @@ def _loop(exp, ckpt, guard, writer, run: RunState) -> tuple[RunState, dict[str, 
             postfix = {"reward": m["grpo/reward"], "acc": m["grpo/accuracy"],
                        "tok/s": m["rollout/tokens_per_second"]}
         step, phase = int(run.step), run.phase
+        if exp.selection_due(run):
+            run, chosen = exp.select(run)
+            m.update(chosen)
         boundary = step in (sft_steps, total)
-        if _evaluates(step, config) or boundary:
+        if step == total:
+            last_eval = final_evaluation(exp, run)
+            m.update(last_eval)
+        elif _evaluates(step, config) or boundary:
             last_eval = evaluate_all(exp, run, policy_alone=phase == "grpo")
             m.update(last_eval)
         writer.write(step, m, phase=phase)
@@ -116,7 +122,8 @@ def _loop(exp, ckpt, guard, writer, run: RunState) -> tuple[RunState, dict[str, 
                 f"to resume.")
         stop = guard.stop_agreed()
         if _every(step, config.checkpoint.every) or boundary or stop:
-            meta = {"step": step, "phase": phase, **({BEST: m[BEST]} if BEST in m else {})}
+            meta = {"step": step, "phase": phase, "selection": run.selects,
+                    **({BEST: m[BEST]} if BEST in m else {})}
             ckpt.save(step, run.without_bases(), meta, force=True)
         if stop:
             log.warning("Preempted at step %d: checkpoint saved, exiting.", step)
@@ -151,8 +158,12 @@ def report(final: dict[str, float], workdir: str, already: bool = False) -> None
                 f" (policies alone, without the memory: {final[alone]:.3f})"
                 if (alone := k.replace("eval/", "eval_no_memory/")) in final else "")
             for k, v in sorted(final.items()) if k.startswith("eval/") and k.endswith("/accuracy")]
+    chosen = ([f"  The policies of GRPO step {int(final['select/chosen_step'])}, the best on the "
+               f"selection slice of train records (config.grpo.select_every)."]
+              if "select/chosen_step" in final else [])
     print("\n".join([head, "Held-out accuracy at the end (greedy; with the memory when it is "
-                     "on):", *rows, f"Per domain: {os.path.join(workdir, 'final_eval.json')}"]))
+                     "on):", *rows, *chosen,
+                     f"Per domain: {os.path.join(workdir, 'final_eval.json')}"]))
 
 
 def evaluate_all(exp: experiment.Experiment, run: RunState, *,
@@ -165,6 +176,15 @@ def evaluate_all(exp: experiment.Experiment, run: RunState, *,
         if policy_alone and run.memory:
             alone = exp.evaluate(run, split, exp.config.eval.examples, use_memory=False)
             out.update({f"eval_no_memory/{k.removeprefix('eval/')}": v for k, v in alone.items()})
+    return out
+
+
+def final_evaluation(exp: experiment.Experiment, run: RunState) -> dict[str, float]:
+    """`evaluate_all` of the run's result (`Experiment.chosen`), with the GRPO step its
+    policies come from when selection chose them."""
+    out = evaluate_all(exp, exp.chosen(run), policy_alone=run.phase == "grpo")
+    if run.selects:
+        out["select/chosen_step"] = float(int(run.selected.step) - exp.config.sft.steps)
     return out
 
 
@@ -187,14 +207,16 @@ def restore(exp: experiment.Experiment, ckpt: checkpoint.Checkpointer) -> RunSta
         return fresh
     run, meta = found
     log.info("Resumed from step %d (%s).", meta["step"], meta["phase"])
-    return exp.attach_bases(run, fresh)
+    return exp.with_selection(exp.attach_bases(run, fresh), bool(exp.config.grpo.select_every))
 
 
 def abstract_run(exp: experiment.Experiment, fresh: RunState, meta: dict) -> RunState:
     """A run state shaped like the checkpoint with metadata `meta` (its phase and step): GRPO's
-    optimizer and memory tables, LoRA adapters once they have started, no LoRA base."""
+    optimizer and memory tables, the chosen iterate where it saved one, LoRA adapters once they
+    have started, no LoRA base."""
     run = exp.to_lora(fresh) if exp.lora_from_step(meta["step"]) else fresh
-    return (exp.start_grpo(run) if meta["phase"] == "grpo" else run).without_bases()
+    run = exp.start_grpo(run) if meta["phase"] == "grpo" else run
+    return exp.with_selection(run, meta.get("selection", False)).without_bases()
 
 
 USAGE = """usage: joyagents train [--config FILE[:ARG]] [--config.KEY=VALUE ...] [--workdir DIR]

@@ -94,6 +94,8 @@ def test_the_default_the_byte_default_and_real_checkpoint_configs_are_valid(tmp_
     ({"grpo__self_imitation": -1}, "config.grpo.self_imitation=-1: must be >= 0"),
     ({"grpo__replay": -1}, "config.grpo.replay=-1: must be >= 0"),
     ({"grpo__replay": 36}, "config.grpo.replay=36: a step re-asks at most grpo.replay"),
+    ({"grpo__select_every": -4}, "config.grpo.select_every=-4: must be >= 0"),
+    ({"grpo__select_examples": 0}, "config.grpo.select_examples=0: must be >= 1"),
     ({"grpo__greedy_completions": True, "grpo__tempered_loss": True},
      "config.grpo.greedy_completions=True with grpo.tempered_loss=True: greedy outputs"),
     ({"groups__all__model": "qwen9"}, "config.groups.all.model='qwen9': not a preset"),

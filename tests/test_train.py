@@ -436,6 +436,84 @@ def test_replay_reasks_the_queries_with_a_reward_spread_and_checkpoints_them(dat
     assert after.replay.shape == (2,) and int(after.step) == int(run.step) + 1
 
 
+def _scripted_selection(monkeypatch, scores: dict[int, float]) -> None:
+    """The selection slice's accuracy per run step from `scores`; other splits evaluate."""
+    real = evaluate.experiment.Experiment.evaluate
+
+    def scripted(self, run, split, examples=None, use_memory=True):
+        if split != "select":
+            return real(self, run, split, examples, use_memory)
+        assert not use_memory and len(self.sources["select"]) == 4  # grpo.select_examples
+        return {"eval/select/accuracy": scores[int(run.step)]}
+
+    monkeypatch.setattr(evaluate.experiment.Experiment, "evaluate", scripted)
+
+
+SELECT = {"grpo.select_every": 2, "grpo.select_examples": 4}
+
+
+def _without_step_6(workdir):
+    """The run as a stop after step 5's checkpoint leaves it."""
+    import shutil
+    shutil.rmtree(os.path.join(workdir, "checkpoints", "6"))
+    os.remove(os.path.join(workdir, "final_eval.json"))
+
+
+def test_selection_reports_and_exports_the_best_scored_iterate_and_resumes_it(
+        data_dir, tmp_path, monkeypatch):
+    """grpo.select_every=2 over 3 GRPO steps scores steps 2 and 3 (run steps 5, 6): the better
+    one's policies are the run's result (final evaluation, `joyagents eval`, export) beside the
+    last step's memory, and a run resumed after step 5 chooses the same."""
+    _scripted_selection(monkeypatch, {5: 0.5, 6: 0.25})
+    workdir = str(tmp_path / "select")
+    config = _config(data_dir=data_dir, **SELECT)
+    final = train.train(config, workdir)
+    assert final["select/chosen_step"] == 2
+    assert [(r["step"], r["select/accuracy"], r["select/chosen_step"])
+            for r in _rows(workdir) if "select/accuracy" in r] == [(5, 0.5, 2), (6, 0.25, 2)]
+    exp, run = evaluate.load_run(workdir)
+    _, at_5 = evaluate.load_run(workdir, 5)
+    assert (int(run.step), int(run.selected.step)) == (6, 5)
+    chosen = exp.chosen(run)
+    chex.assert_trees_all_equal({g: grp.params for g, grp in chosen.train.groups.items()},
+                                {g: grp.params for g, grp in at_5.train.groups.items()})
+    assert chosen.memory is run.memory and exp.chosen_step(run) == 5
+    assert exp.chosen(at_5) is at_5 and exp.chosen_step(at_5) == 5  # not the end: the iterate
+    again = {k: v for k, v in train.final_evaluation(exp, run).items()
+             if not any(s in k for s in TIMING)}
+    assert again == {k: v for k, v in final.items() if not any(s in k for s in TIMING)}
+
+    out = str(tmp_path / "export")
+    assert export.main(["--workdir", workdir, "--out", out]) == 0
+    assert json.load(open(os.path.join(out, "export.json")))["policies_step"] == 5
+
+    step, leaves = _final_params(workdir)
+    _without_step_6(workdir)
+    resumed = train.train(config, workdir)
+    assert {k: v for k, v in resumed.items() if not any(s in k for s in TIMING)} == again
+    resumed_step, resumed_leaves = _final_params(workdir)
+    assert resumed_step == step == 6
+    for a, b in zip(resumed_leaves, leaves, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_selection_turned_on_at_a_resume_starts_with_nothing_chosen(
+        reference_run, tmp_path, monkeypatch):
+    """A checkpoint saved without selection restores under a config that asks for it: only the
+    steps run after the resume are scored."""
+    import shutil
+    _scripted_selection(monkeypatch, {6: 0.75})
+    workdir = str(tmp_path / "on_at_resume")
+    shutil.copytree(reference_run, workdir)
+    _without_step_6(workdir)
+    config = evaluate._merged(config_lib.get_config(), json.load(open(
+        os.path.join(workdir, "config.json"))))
+    final = train.train(config_lib.override(config, SELECT), workdir)
+    assert final["select/chosen_step"] == 3
+    _, run = evaluate.load_run(workdir)
+    assert int(run.selected.step) == 6
+
+
 def test_question_order_visits_every_distinct_train_question_once_per_epoch(data_dir, tmp_path):
     """grpo.query_order=questions: one epoch of GRPO queries is each distinct train question
     once (traffic order: every train record, popular questions as often as recorded)."""

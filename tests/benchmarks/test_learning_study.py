@@ -222,10 +222,3 @@ def test_popularity_table_splits_fixed_and_broken_queries_by_the_questions_train
     assert "3 of 4 test queries" in table
     assert table.splitlines()[-1] == "| default | 2 | 0 / 3 | 2 / 0 | -1 |"
     assert ls.popularity_table([sft(0)], qid, train) == ""
-
-
-def test_dev_rows_are_one_sorted_draw_of_distinct_train_records():
-    rows = ls.dev_rows(1000, 120)
-    assert rows == sorted(set(rows)) and len(rows) == 120 and 0 <= rows[0] and rows[-1] < 1000
-    assert rows == ls.dev_rows(1000, 120)
-    assert ls.dev_rows(5, 120) == [0, 1, 2, 3, 4]
