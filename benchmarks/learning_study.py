@@ -207,17 +207,15 @@ def evaluate(exp: experiment.Experiment, run) -> tuple[dict[str, float], dict[st
 
 
 def run_variant(root: str, seed: int, name: str, tokens: int, max_steps: int,
-                extra: dict | None = None, eval_every: int = 0, select_every: int = 0,
-                select_examples: int = 120) -> dict:
+                extra: dict | None = None, eval_every: int = 0) -> dict:
     """GRPO from the seed's SFT checkpoint until `tokens` generated tokens (or `max_steps`);
     evaluation. `extra`: config overrides on top of the variant's. Every `eval_every` steps
     (0: never) the policies are also evaluated on `test` without the memory, for the curve of
-    held-out accuracy against sampler tokens. Every `select_every` steps (0: never) they are
-    evaluated greedily alone on `select_examples` train records (`selection.slice_rows`), and
-    after the last
-    step, and the final evaluation scores the policies of the best such step (the last on ties;
-    the memory stays the run's last): selection on the training traffic, never on `test`.
-    Evaluations change nothing the run trains."""
+    held-out accuracy against sampler tokens. As in `joyagents train`, every
+    `grpo.select_every` steps and after the last (here: the step that spends the token budget)
+    the policies alone are scored on the selection slice of train records, and the final
+    evaluation scores the best such step's policies beside the last memory (`--set
+    grpo.select_every=0`: the last step's). Evaluations change nothing the run trains."""
     data_dir = os.path.join(root, "data")
     overrides = {**VARIANTS[name][1], **(extra or {})}
     tag = name if sft_overrides(VARIANTS[name][1]) else ""
@@ -229,12 +227,7 @@ def run_variant(root: str, seed: int, name: str, tokens: int, max_steps: int,
     if (int(run.step), run.phase) != (c.sft.steps, "sft"):
         raise RuntimeError(f"{sft_dir} holds step {int(run.step)} ({run.phase}), not the end "
                            f"of SFT.")
-    start, curve, generated = time.time(), [], 0
-    if select_every:
-        train_src = exp.sources["train"]
-        exp.sources["dev"] = [train_src[i] for i in selection.slice_rows(len(train_src),
-                                                                          select_examples)]
-    selected, dev_curve = None, []
+    start, curve, generated, dev_curve = time.time(), [], 0, []
     if not is_sft(name):
         run = exp.start_grpo(run)
         for k in range(max_steps):
@@ -253,13 +246,12 @@ def run_variant(root: str, seed: int, name: str, tokens: int, max_steps: int,
                                                            use_memory=False)["eval/test/accuracy"]
             curve.append(point)
             last = generated >= tokens or k + 1 == max_steps
-            if selection.due(k + 1, select_every, last):
-                acc = exp.evaluate(run, "dev", use_memory=False)["eval/dev/accuracy"]
-                dev_curve.append((k + 1, acc))
-                selected = selection.keep(selected or selection.start(run.train), run.train,
-                                          k + 1, acc)
-    if selected is not None:
-        run = run.replace(train=selection.apply(run.train, selected))
+            if run.selects and selection.due(k + 1, c.grpo.select_every, last):
+                run, chosen = exp.select(run)
+                dev_curve.append((k + 1, chosen["select/accuracy"]))
+    selects = bool(dev_curve)
+    if selects:
+        run = run.replace(train=selection.apply(run.train, run.selected))
     ev, per_query = evaluate(exp, run)
     alone = lambda key: ev.get(key.replace("eval/", "eval_nomem/", 1), ev[key])
     return {"seed": seed, "variant": name, "steps": len(curve), "generated_tokens": generated,
@@ -269,9 +261,9 @@ def run_variant(root: str, seed: int, name: str, tokens: int, max_steps: int,
             "llm_calls_no_memory": alone("eval/test/llm_calls_per_query"),
             **per_query, "overrides": extra or {}, "device": hardware.device_name(),
             "commit": hardware.git_commit(),
-            **({"select_every": select_every, "select_examples": select_examples,
-                "selected_step": int(selected.step), "dev_curve": dev_curve} if selected
-               else {})}
+            **({"select_every": c.grpo.select_every, "select_examples": c.grpo.select_examples,
+                "selected_step": int(run.selected.step) - c.sft.steps, "dev_curve": dev_curve}
+               if selects else {})}
 
 
 def run_key(run: dict) -> tuple[int, str | None]:
@@ -641,12 +633,6 @@ def main() -> None:
                         "separate --root: results are cached by seed and variant)")
     p.add_argument("--eval_every", type=int, default=0,
                    help="evaluate test without the memory every N GRPO steps (0: at the end)")
-    p.add_argument("--select_every", type=int, default=0,
-                   help="every N GRPO steps evaluate the policies alone on a slice of train and "
-                        "score the best such step's policies at the end (0: the last step's; "
-                        "use a separate --root: results are cached by seed and variant)")
-    p.add_argument("--select_examples", type=int, default=120,
-                   help="train records in the selection slice")
     p.add_argument("--report", action="store_true", help="only aggregate the cached runs")
     p.add_argument("--out", default=None, help="report path without extension (default: "
                    "<root>/study; benchmarks/learning_study is the recorded study)")
@@ -668,7 +654,7 @@ def main() -> None:
                 if os.path.exists(path):
                     continue
                 result = run_variant(a.root, seed, name, a.tokens, a.max_steps, extra,
-                                     a.eval_every, a.select_every, a.select_examples)
+                                     a.eval_every)
                 with open(path, "w") as f:
                     json.dump(result, f, indent=1)
                 print(name, seed, {k: round(v, 3) for k, v in result["eval"].items()

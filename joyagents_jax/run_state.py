@@ -61,6 +61,11 @@ class RunState:
                             memory=self.memory if memory_tables is None else memory_tables,
                             replay=self.replay if replay is None else replay)
 
+    def metadata(self) -> dict:
+        """What a checkpoint of this state records beside its arrays: the step, and what its
+        tree's structure depends on (the phase, the chosen-iterate node)."""
+        return {"step": int(self.step), "phase": self.phase, "selection": self.selects}
+
     @property
     def replays(self) -> bool:
         return self.replay is not OFF

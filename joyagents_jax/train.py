@@ -122,8 +122,7 @@ def _loop(exp, ckpt, guard, writer, run: RunState) -> tuple[RunState, dict[str, 
                 f"to resume.")
         stop = guard.stop_agreed()
         if _every(step, config.checkpoint.every) or boundary or stop:
-            meta = {"step": step, "phase": phase, "selection": run.selects,
-                    **({BEST: m[BEST]} if BEST in m else {})}
+            meta = {**run.metadata(), **({BEST: m[BEST]} if BEST in m else {})}
             ckpt.save(step, run.without_bases(), meta, force=True)
         if stop:
             log.warning("Preempted at step %d: checkpoint saved, exiting.", step)

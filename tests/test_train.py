@@ -19,10 +19,11 @@ from joyagents_jax.rl import rollout
 
 pytestmark = pytest.mark.slow
 
-# A few steps of every phase, tiny batches; memory and replay on so their state is checkpointed
-# too.
+# A few steps of every phase, tiny batches; memory, replay and the chosen iterate on so their
+# state is checkpointed too (GRPO steps 2 and 3 scored on 4 train records).
 OVERRIDES = {"sft.steps": 3, "sft.batch_per_agent": 2, "grpo.steps": 3, "grpo.queries": 2,
-             "grpo.replay": 1, "grpo.group_size": 2, "limits.max_tokens_per_node": 24,
+             "grpo.replay": 1, "grpo.select_every": 2, "grpo.select_examples": 4,
+             "grpo.group_size": 2, "limits.max_tokens_per_node": 24,
              "eval.examples": 2, "eval.grpo_every": 2, "checkpoint.every": 1,
              "sampler.min_prompt_bucket": 16, "sampler.min_batch_bucket": 1,
              "pad_to_max_len": False}
@@ -164,7 +165,8 @@ def test_cli_train_eval_export_plot(reference_run, tmp_path):
         assert r["time/memory_update_seconds"] > 0
     assert all(p.endswith(".png") for p in os.listdir(os.path.join(reference_run, "plots")))
     final = json.load(open(os.path.join(reference_run, "final_eval.json")))
-    assert final == {k: v for k, v in rows[-1].items() if k.startswith("eval")}
+    assert final == {k: v for k, v in rows[-1].items()
+                     if k.startswith("eval") or k == "select/chosen_step"}
     assert {"eval/test/accuracy", "eval/test_novel/accuracy", "eval_no_memory/test/accuracy",
             "eval_no_memory/test_novel/accuracy"} <= set(final)
     assert [r["step"] for r in rows if "eval/test/accuracy" in r] == [3, 5, 6]
@@ -426,7 +428,7 @@ def test_replay_reasks_the_queries_with_a_reward_spread_and_checkpoints_them(dat
                                                       exp.train_records(1)[0]]
 
     with checkpoint.Checkpointer(str(tmp_path / "ckpt")) as ckpt:
-        ckpt.save(3, run.without_bases(), {"step": 3, "phase": "grpo"}, force=True)
+        ckpt.save(3, run.without_bases(), run.metadata(), force=True)
     with checkpoint.Checkpointer(str(tmp_path / "ckpt")) as ckpt:
         restored = train.restore(exp, ckpt)
     chex.assert_trees_all_equal(restored.replay, replay)
@@ -449,9 +451,6 @@ def _scripted_selection(monkeypatch, scores: dict[int, float]) -> None:
     monkeypatch.setattr(evaluate.experiment.Experiment, "evaluate", scripted)
 
 
-SELECT = {"grpo.select_every": 2, "grpo.select_examples": 4}
-
-
 def _without_step_6(workdir):
     """The run as a stop after step 5's checkpoint leaves it."""
     import shutil
@@ -466,7 +465,7 @@ def test_selection_reports_and_exports_the_best_scored_iterate_and_resumes_it(
     last step's memory, and a run resumed after step 5 chooses the same."""
     _scripted_selection(monkeypatch, {5: 0.5, 6: 0.25})
     workdir = str(tmp_path / "select")
-    config = _config(data_dir=data_dir, **SELECT)
+    config = _config(data_dir=data_dir)
     final = train.train(config, workdir)
     assert final["select/chosen_step"] == 2
     assert [(r["step"], r["select/accuracy"], r["select/chosen_step"])
@@ -497,21 +496,30 @@ def test_selection_reports_and_exports_the_best_scored_iterate_and_resumes_it(
         np.testing.assert_array_equal(a, b)
 
 
-def test_selection_turned_on_at_a_resume_starts_with_nothing_chosen(
-        reference_run, tmp_path, monkeypatch):
+def test_selection_turned_on_at_a_resume_starts_with_nothing_chosen(data_dir, tmp_path,
+                                                                     monkeypatch):
     """A checkpoint saved without selection restores under a config that asks for it: only the
     steps run after the resume are scored."""
-    import shutil
     _scripted_selection(monkeypatch, {6: 0.75})
     workdir = str(tmp_path / "on_at_resume")
-    shutil.copytree(reference_run, workdir)
+    assert "select/chosen_step" not in train.train(
+        _config(data_dir=data_dir, **{"grpo.select_every": 0}), workdir)
     _without_step_6(workdir)
-    config = evaluate._merged(config_lib.get_config(), json.load(open(
-        os.path.join(workdir, "config.json"))))
-    final = train.train(config_lib.override(config, SELECT), workdir)
-    assert final["select/chosen_step"] == 3
+    assert train.train(_config(data_dir=data_dir), workdir)["select/chosen_step"] == 3
     _, run = evaluate.load_run(workdir)
     assert int(run.selected.step) == 6
+
+
+def test_selection_turned_off_at_a_resume_reports_the_last_iterate(reference_run, data_dir,
+                                                                    tmp_path):
+    import shutil
+    workdir = str(tmp_path / "off_at_resume")
+    shutil.copytree(reference_run, workdir)
+    _without_step_6(workdir)
+    final = train.train(_config(data_dir=data_dir, **{"grpo.select_every": 0}), workdir)
+    assert "select/chosen_step" not in final and "eval_no_memory/test/accuracy" in final
+    _, run = evaluate.load_run(workdir)
+    assert not run.selects and int(run.step) == 6
 
 
 def test_question_order_visits_every_distinct_train_question_once_per_epoch(data_dir, tmp_path):
