@@ -237,7 +237,8 @@ class Experiment:
         tables = ({} if self.memory is None else sharding.replicate(memory_hook.init_tables(
             self.parts.memory, memory_hook.group_models(train)), self.mesh))
         replay = self._replay_array([]) if self.config.grpo.replay else run_state.OFF
-        selected = selection.start(train) if self.config.grpo.select_every else run_state.OFF
+        selected = (self._placed(selection.start(train)) if self.config.grpo.select_every
+                    else run_state.OFF)
         return run.replace(train=train, memory=tables, replay=replay, selected=selected,
                            phase="grpo")
 
@@ -624,7 +625,7 @@ class Experiment:
         """Scores the policies alone on the selection slice; keeps them when they are the best
         so far. Metrics: their accuracy there and the chosen GRPO step."""
         accuracy = self.evaluate(run, "select", use_memory=False)["eval/select/accuracy"]
-        chosen = selection.keep(run.selected, run.train, int(run.step), accuracy)
+        chosen = self._placed(selection.keep(run.selected, run.train, int(run.step), accuracy))
         return run.replace(selected=chosen), {
             "select/accuracy": accuracy,
             "select/chosen_step": float(int(chosen.step) - self.config.sft.steps)}
@@ -649,7 +650,14 @@ class Experiment:
         without one: a restore builds the checkpoint's tree, then follows the config."""
         if run.phase != "grpo" or run.selects == on:
             return run
-        return run.replace(selected=selection.start(run.train) if on else run_state.OFF)
+        return run.replace(selected=self._placed(selection.start(run.train)) if on
+                           else run_state.OFF)
+
+    def _placed(self, chosen: selection.Selected) -> selection.Selected:
+        """Its step and accuracy replicated over the mesh, as a multi-process checkpoint saves
+        only global arrays (the policies' copies keep the policies' shardings)."""
+        return chosen.replace(step=sharding.replicate(chosen.step, self.mesh),
+                              accuracy=sharding.replicate(chosen.accuracy, self.mesh))
 
     # -- evaluation --------------------------------------------------------------------------
 
