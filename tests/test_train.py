@@ -485,6 +485,8 @@ def test_selection_reports_and_exports_the_best_scored_iterate_and_resumes_it(
     out = str(tmp_path / "export")
     assert export.main(["--workdir", workdir, "--out", out]) == 0
     assert json.load(open(os.path.join(out, "export.json")))["policies_step"] == 5
+    assert evaluate.main(["--workdir", workdir, "--examples", "2"]) == 0
+    assert "The policies of step 5" in open(os.path.join(workdir, "eval_6.md")).read()
 
     step, leaves = _final_params(workdir)
     _without_step_6(workdir)
