@@ -262,11 +262,12 @@ def get_config() -> ml_collections.ConfigDict:
     # `select_examples` train records (one seeded slice, greedy, without the memory), and the
     # run reports and exports the best-scoring step's policies (the latest on ties) beside its
     # last memory; training is unchanged (`joyagents_jax/selection.py`). 0: the last step's
-    # policies (the default before session 86). In `benchmarks/learning_study.py` on an AMD
-    # EPYC (family 26 model 2), 4 left the default's policies alone at 0.665 / 0.660 / 0.670 /
-    # 0.725 / 0.630 on seeds 0-4 against the last step's 0.640 / 0.645 / 0.640 / 0.685 / 0.660
-    # (34 / 18 test queries won / lost), for ~17 s of the default's run (benchmarks/RESULTS.md,
-    # "Choosing the GRPO iterate on the training traffic").
+    # policies (the default before session 86). On an AMD EPYC (family 26 model 2) the
+    # default's policies alone ended at 0.665 / 0.660 / 0.670 / 0.725 / 0.675 on seeds 0-4
+    # with N = 4 and 360 records, against the last step's 0.640 / 0.645 / 0.640 / 0.685 / 0.660
+    # (37 / 12 test queries won / lost), for ~47 s of the default's run; 120 records chose a
+    # worse step on seed 4 (0.630; benchmarks/RESULTS.md, "Which iterate each selection rule
+    # chooses").
     c.grpo = ml_collections.ConfigDict(dict(
         steps=44, queries=36, group_size=4, mode="nodewise", topk=0, select="groups",
         micro_batch=16, inner_steps=2, beta=0.04, eps_low=0.2, eps_high=0.28, kl="k3",
@@ -277,7 +278,7 @@ def get_config() -> ml_collections.ConfigDict:
         query_order="traffic", grounding_match="word", memory_branches=True, neg_weight=1.0,
         gold_branches=False, share_identical=True, suffix_credit=False, greedy_completions=False,
         self_imitation=0, subagent_credit=False, branch_agents="", branch_min_change=0.0,
-        unbranched_memory="eval", replay=12, seed=-1, select_every=4, select_examples=120))
+        unbranched_memory="eval", replay=12, seed=-1, select_every=4, select_examples=360))
 
     # Reuse needs a (near-)identical node input: with mean-pooled embeddings of a tiny model,
     # different prompts of one agent reach cosine 0.9996 (measured). Hints are off by default
@@ -355,7 +356,7 @@ def real_checkpoint_config(groups: dict[str, tuple[tuple[str, ...], str]]
     c.grpo.update(steps=300, queries=32, group_size=8, learning_rate=1e-6, warmup_steps=10,
                   topk=16, temperature=0.7)  # 0.3 is for the tiny default's weak samples
     c.memory.update(capacity=4096, response_len=256, request_len=256)
-    c.grpo.select_every = 50  # scored as often as evaluated: 120 episodes of long nodes
+    c.grpo.select_every = 50  # scored as often as evaluated: 360 episodes of long nodes
     c.eval.update(sft_every=50, grpo_every=50, examples=500)
     c.checkpoint.update(every=25, keep=3)
     return c
