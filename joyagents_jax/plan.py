@@ -36,7 +36,7 @@ SYSTEMS: dict[str, tuple[tuple[str, int], ...]] = {
     "7b+3b": (("qwen2.5-7b", 1), ("qwen2.5-3b", 4)),
     "tiny": (("tiny", 5),),
 }
-ROWS = ("params", "optimizer", "reference", "base", "kv_cache", "activations")
+ROWS = ("params", "optimizer", "reference", "chosen", "base", "kv_cache", "activations")
 GiB = 1 << 30
 
 
@@ -60,6 +60,7 @@ class PlanConfig:
     lora_rank: int = 0  # > 0: per-agent adapters (f32) over one frozen base (compute dtype)
     lora_alpha: float = 16.0
     lora_targets: str = "q|k|v|o|gate|up|down"
+    select: bool = True  # a copy of the trained weights for the chosen iterate (grpo.select_every)
 
     @property
     def lora(self) -> lora_lib.LoRAConfig | None:
@@ -145,7 +146,8 @@ def model_config(model: str, **dtypes) -> qwen2.Qwen2Config:
 
 def make_group(pc: PlanConfig, mesh: jax.sharding.Mesh, preset: str, agents: int) -> Group:
     """`agents` copies of `preset` (a preset name or an HF folder): params, per-agent AdamW
-    state, reference, KV cache (of one pass's agents with `agents_per_pass`). With LoRA,
+    state, reference, the chosen iterate's copy of the trained weights (`select`), KV cache (of
+    one pass's agents with `agents_per_pass`). With LoRA,
     params, AdamW state and reference are the agents' adapters (f32) and the base is stored
     once, in the compute dtype."""
     cfg = model_config(preset, param_dtype=pc.param_dtype, dtype=pc.compute_dtype, remat=pc.remat)
@@ -161,6 +163,7 @@ def make_group(pc: PlanConfig, mesh: jax.sharding.Mesh, preset: str, agents: int
         "params": params,
         "optimizer": jax.eval_shape(jax.vmap(optimizer().init), params),
         "reference": reference,
+        "chosen": params if pc.select else {},
         "base": base,
         # Agents in passes decode one pass at a time: only that pass's caches are live.
         "kv_cache": kv_cache_shape(cfg, min(agents, pc.agents_per_pass or agents),
@@ -250,6 +253,8 @@ def format_plan(plan: Plan, capacity: int | None = None, full_ft: Plan | None = 
         "optimizer": f"optimizer (AdamW mu, nu; {'float32' if pc.lora else pc.param_dtype})",
         "reference": ("reference policy (adapters at SFT's end)" if pc.lora else
                       f"reference policy ({pc.ref_dtype})"),
+        "chosen": ("chosen iterate's policies (grpo.select_every)" if pc.select else
+                   "chosen iterate (none: grpo.select_every=0)"),
         "base": (f"frozen base, once per group ({pc.compute_dtype})" if pc.lora else
                  "frozen base (none: full fine-tuning)"),
         "kv_cache": f"KV cache (rollout {pc.rollout_batch} x {pc.cache_len}, {pc.compute_dtype}"
@@ -311,7 +316,7 @@ def from_run_config(spec: str) -> dict[str, Any]:
             presets.get_preset(model)  # a clear error for a folder that is not there
     return {"groups": groups, "param_dtype": c.param_dtype, "compute_dtype": c.dtype,
             "remat": c.remat, "mesh": c.mesh or "fsdp=-1", "micro_batch": c.grpo.micro_batch,
-            "agents_per_pass": c.agents_per_pass,
+            "agents_per_pass": c.agents_per_pass, "select": c.grpo.select_every > 0,
             "lora_rank": c.lora.rank,
             "lora_alpha": c.lora.alpha, "lora_targets": c.lora.targets}
 
@@ -350,6 +355,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="per-agent LoRA adapters of this rank over one frozen base (default: the "
                         "config file's, else 0 = full fine-tuning)")
     p.add_argument("--lora-targets", default=None, help=f"default: {d.lora_targets}")
+    p.add_argument("--no-select", dest="select", action="store_const", const=False,
+                   default=None, help="no copy of the chosen iterate's policies, as "
+                                      "grpo.select_every=0 (default: the config file's, else one)")
     p.add_argument("--on-indivisible", choices=("error", "replicate"), default=d.on_indivisible)
     return p.parse_args(argv)
 

@@ -35,6 +35,9 @@ def test_param_bytes_are_param_count_times_dtype_size(dtype, size):
     # learning-rate schedule's).
     assert group.bytes("optimizer", per_device=False) == 2 * 3 * count * size + 3 * 2 * 4
     assert group.bytes("reference", per_device=False) == 3 * count * 2  # bfloat16
+    assert group.bytes("chosen", per_device=False) == 3 * count * size  # the params' copy
+    unchosen = plan.make_group(dataclasses.replace(TINY, select=False), mesh, "tiny", 3)
+    assert unchosen.bytes("chosen", per_device=False) == 0
 
 
 def test_plan_sums_its_groups(tiny_plan):
@@ -49,6 +52,7 @@ def test_plan_sums_its_groups(tiny_plan):
 def test_format_plan_lists_every_row(tiny_plan):
     text = plan.format_plan(tiny_plan, capacity=1 << 30)
     for label in ("params (float32)", "optimizer (AdamW", "reference policy (bfloat16)",
+                  "chosen iterate's policies (grpo.select_every)",
                   "KV cache (rollout 2 x 32", "activations, temps (train 2 x 16)", "total"):
         assert label in text
     assert "device memory 1.00 GiB: fits" in text
@@ -98,7 +102,7 @@ def test_3b_plus_3b_table_on_8_devices(plan_3b):
     assert lines[0] == "Plan on 8 x cpu (mesh agent=1 data=1 fsdp=8 tensor=1)"
     assert "group qwen2.5-3b x 5 agents, 3.086B params per agent" in lines[1]
     rows = {line[:54].strip(): [float(v) for v in line[54:].split()]
-            for line in lines[3:10]}
+            for line in lines[3:11]}
     count = qwen2.count_params(presets.get_preset("qwen2.5-3b"))
     per_device, whole = rows["params (float32)"]
     assert whole == pytest.approx(5 * count * 4 / 2**30, abs=0.005)
@@ -107,6 +111,7 @@ def test_3b_plus_3b_table_on_8_devices(plan_3b):
     assert rows["optimizer (AdamW mu, nu; float32)"][0] == pytest.approx(2 * per_device, rel=0.01)
     assert rows["activations, temps (train 8 x 1024)"][0] > 0
     assert rows["frozen base (none: full fine-tuning)"] == [0.0, 0.0]
+    assert rows["chosen iterate's policies (grpo.select_every)"] == [per_device, whole]
     assert math.isclose(rows["total"][0], sum(r[0] for k, r in rows.items() if k != "total"),
                         abs_tol=0.03)
 
@@ -131,7 +136,8 @@ def test_a_train_config_file_is_planned_from_its_folders_config_json(tmp_path, c
     fields = plan.from_run_config(spec)
     assert fields == {"groups": ((str(tmp_path), 5),), "param_dtype": "bfloat16",
                       "compute_dtype": "bfloat16", "remat": True, "mesh": "fsdp=-1",
-                      "micro_batch": 16, "agents_per_pass": 0, "lora_rank": 0, "lora_alpha": 16.0,
+                      "micro_batch": 16, "agents_per_pass": 0, "select": True, "lora_rank": 0,
+                      "lora_alpha": 16.0,
                       "lora_targets": "q|k|v|o|gate|up|down"}
     group = plan.make_group(plan.PlanConfig(**fields), sharding.make_mesh(), str(tmp_path), 5)
     assert (group.cfg.hidden_size, group.cfg.num_layers, group.cfg.vocab_size) == (32, 2, 300)
@@ -153,6 +159,7 @@ def test_lora_plans_adapters_per_agent_and_the_base_once():
     assert adapters < qwen2.count_params(cfg) / 5
     assert group.bytes("params", per_device=False) == 3 * adapters * 4  # f32, per agent
     assert group.bytes("reference", per_device=False) == 3 * adapters * 4
+    assert group.bytes("chosen", per_device=False) == 3 * adapters * 4
     assert group.bytes("optimizer", per_device=False) == 2 * 3 * adapters * 4 + 3 * 2 * 4
     assert group.bytes("base", per_device=False) == qwen2.count_params(cfg) * 2  # once, bf16
     full = plan.make_group(TINY, sharding.make_mesh(), "tiny", 3)
