@@ -222,11 +222,13 @@ def _combine_micro(m: dict[str, jax.Array]) -> dict[str, jax.Array]:
 
 
 def agent_grads(model: qwen2.Qwen2Config, cfg: grpo.GRPOConfig, micro_batch: int | None,
-                first: jax.Array, view, params: qwen2.Params, logp_old: jax.Array, *inputs):
+                skip_empty: bool, first: jax.Array, view, params: qwen2.Params,
+                logp_old: jax.Array, *inputs):
     """One agent's loss gradient over its batch, accumulated over micro-batches of rows.
 
     view: trainable params -> the policy (`AgentGroup.view`: the params, or a LoRA base with
-    these adapters); gradients are taken for the trainable params only.
+    these adapters); gradients are taken for the trainable params only. skip_empty: skip
+    micro-batches without target tokens (`_unless_empty`; only where the agent is not vmapped).
 
     Each micro-batch's loss is rescaled by its share of the full batch's aggregation
     denominator (param-independent), so the summed gradient is the full-batch gradient.
@@ -238,7 +240,8 @@ def agent_grads(model: qwen2.Qwen2Config, cfg: grpo.GRPOConfig, micro_batch: int
     loss_fn = lambda params, *rest: agent_loss(model, cfg, first, view(params), *rest)
     if size == rows:
         (_, (metrics, logp_old)), grads = _unless_empty(
-            jax.value_and_grad(loss_fn, has_aux=True), inputs[2], params, logp_old, *inputs)
+            skip_empty, jax.value_and_grad(loss_fn, has_aux=True), inputs[2], params, logp_old,
+            *inputs)
         return grads, {k: v for k, v in metrics.items()
                        if k not in ("denom", "live", "generated")}, logp_old
     targets, weights = inputs[2], inputs[5]
@@ -251,7 +254,7 @@ def agent_grads(model: qwen2.Qwen2Config, cfg: grpo.GRPOConfig, micro_batch: int
 
     def body(acc, mb):  # mb: logp_old, tokens, mask, targets, ...
         (_, (metrics, old)), grads = _unless_empty(
-            jax.value_and_grad(scaled, has_aux=True), mb[3], params, *mb)
+            skip_empty, jax.value_and_grad(scaled, has_aux=True), mb[3], params, *mb)
         return jax.tree.map(jnp.add, acc, grads), (metrics, old)
 
     zeros = jax.tree.map(jnp.zeros_like, params)
@@ -260,14 +263,20 @@ def agent_grads(model: qwen2.Qwen2Config, cfg: grpo.GRPOConfig, micro_batch: int
     return grads, _combine_micro(metrics), old.reshape(rows, -1)
 
 
-def _unless_empty(fn, targets: jax.Array, *args):
-    """fn(*args), or zeros shaped as its outputs when `targets` [B, T-1] holds no target token.
+def _unless_empty(skip: bool, fn, targets: jax.Array, *args):
+    """fn(*args), or with `skip` zeros shaped as its outputs when `targets` [B, T-1] holds no
+    target token.
 
     Rows without targets are padding (an agent's rows are bucketed to the group's largest
     count, and an agent without samples has only padding): their loss, gradient, metrics and
     metric weights are all zero, so skipping them (`lax.cond` runs one branch) changes nothing
-    but the time the empty micro-batches and agents took.
+    but the time the empty micro-batches and agents took. Only for an agent that is not
+    vmapped (agents one per pass): under vmap the cond becomes a select that computes both
+    branches, and the LoRA 3B+3B step's compiled temporaries grew from 24.5 to 131 GiB with it
+    (benchmarks/RESULTS.md, "The same plans on the AMD EPYC of family 26 model 2").
     """
+    if not skip:
+        return fn(*args)
     zeros = lambda *a: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(fn, *a))
     return jax.lax.cond(jnp.any(targets), fn, zeros, *args)
 
@@ -310,7 +319,7 @@ def _reference_logprobs(group: ts.AgentGroup, r: Rollouts, loss: grpo.GRPOConfig
     def one_agent(params, tokens, mask, targets):  # [B, T] -> [B, T-1]
         logprobs = lambda tokens, mask: grpo.token_logprobs(
             _logits(group.model, params, tokens, mask, loss.temperature), tokens[:, 1:])
-        per_micro = lambda tmt: _unless_empty(logprobs, tmt[2], *tmt[:2])
+        per_micro = lambda tmt: _unless_empty(per_pass == 1, logprobs, tmt[2], *tmt[:2])
         return jax.lax.map(per_micro, tuple(_micro(x, size) for x in (tokens, mask, targets))
                            ).reshape(rows, -1)
 
@@ -328,8 +337,8 @@ def _inner_step(cfg: GRPOStepConfig, inputs: dict, updates: dict[str, jax.Array]
     groups, logp_old = carry
     new_groups, new_old, metrics, ok = {}, {}, {}, jnp.array(True)
     for name, group in groups.items():
-        grad_fn = functools.partial(agent_grads, group.model, cfg.loss, cfg.micro_batch, first,
-                                    group.view)
+        grad_fn = functools.partial(agent_grads, group.model, cfg.loss, cfg.micro_batch,
+                                    cfg.agents_per_pass == 1, first, group.view)
         grads, metrics[name], new_old[name] = ts.over_agents(
             grad_fn, cfg.agents_per_pass, group.params, logp_old[name], *inputs[name])
         metrics[name]["grad_norm"] = norms = ts.global_norms(grads)
