@@ -273,7 +273,7 @@ def _unless_empty(skip: bool, fn, targets: jax.Array, *args):
     but the time the empty micro-batches and agents took. Only for an agent that is not
     vmapped (agents one per pass): under vmap the cond becomes a select that computes both
     branches, and the LoRA 3B+3B step's compiled temporaries grew from 24.5 to 131 GiB with it
-    (benchmarks/RESULTS.md, "The same plans on the AMD EPYC of family 26 model 2").
+    (benchmarks/RESULTS.md, "Memory: the paper's five 3B agents on one accelerator").
     """
     if not skip:
         return fn(*args)
