@@ -93,6 +93,8 @@ def build(c: ml_collections.ConfigDict) -> Components:
             micro_batch=g.micro_batch or None, agents_per_pass=c.agents_per_pass or None),
         rollout=rollout.RolloutConfig(g.mode, g.group_size, rewards,
                                       memory_branches=memory_branches(c),
+                                      memory_members=g.memory_members
+                                      if memory_branches(c) else 1,
                                       gold_branches=g.gold_branches,
                                       share_identical=bool(g.share_identical
                                                            and g.mode == "nodewise"),

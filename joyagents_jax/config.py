@@ -278,7 +278,8 @@ def get_config() -> ml_collections.ConfigDict:
         query_order="traffic", grounding_match="word", memory_branches=True, neg_weight=1.0,
         gold_branches=False, share_identical=True, suffix_credit=False, greedy_completions=False,
         self_imitation=0, subagent_credit=False, branch_agents="", branch_min_change=0.0,
-        unbranched_memory="eval", replay=12, seed=-1, select_every=4, select_examples=360))
+        unbranched_memory="eval", replay=12, seed=-1, select_every=4, select_examples=360,
+        memory_members=1))
 
     # Reuse needs a (near-)identical node input: with mean-pooled embeddings of a tiny model,
     # different prompts of one agent reach cosine 0.9996 (measured). Hints are off by default

@@ -294,6 +294,8 @@ def _grpo(c) -> Iterator[str]:
                     _number(c, "grpo.top_p", low=0, high=1, low_open=True),
                     _number(c, "grpo.top_k", low=0, integer=True, why="0 = no top-k cut"),
                     _flag(c, "grpo.tempered_loss"), _flag(c, "grpo.memory_branches"),
+                    _number(c, "grpo.memory_members", low=1, integer=True,
+                            why="1: the stored output is one member of its node group"),
                     _flag(c, "grpo.gold_branches"), _flag(c, "grpo.share_identical"),
                     _flag(c, "grpo.suffix_credit"), _flag(c, "grpo.greedy_completions"),
                     _flag(c, "grpo.subagent_credit"),
@@ -337,6 +339,11 @@ def _grpo(c) -> Iterator[str]:
                f"rank and grpo.advantage has nothing to choose; got topk={g.topk}, "
                f"advantage={g.advantage!r}. Use grpo.topk=0 and advantage=std, or "
                f"suffix_credit=False.")
+    if (isinstance(g.memory_members, int) and g.memory_members > 1 and g.mode == "nodewise"
+            and g.suffix_credit is True):
+        yield (f"config.grpo.memory_members={g.memory_members} with grpo.suffix_credit=True: "
+               f"copies of the memory's member would change a group whose rewards are already "
+               f"advantages. Set memory_members=1 or suffix_credit=False.")
     if g.greedy_completions is True and g.tempered_loss is True and g.mode == "nodewise":
         yield ("config.grpo.greedy_completions=True with grpo.tempered_loss=True: greedy "
                "outputs have no log-probs under the tempered sampling distribution that loss "

@@ -24,7 +24,7 @@ CHANGED = {
     "grpo.gold_branches": True, "grpo.share_identical": False,
     "grpo.suffix_credit": True, "grpo.greedy_completions": True, "grpo.subagent_credit": True,
     "grpo.branch_agents": "qa,math", "grpo.branch_min_change": 0.05,
-    "grpo.unbranched_memory": "off",
+    "grpo.unbranched_memory": "off", "grpo.memory_members": 2,
     "memory.capacity": 7, "memory.response_len": 5, "memory.request_len": 6,
     "memory.tau_reuse": 0.99999, "memory.tau_hint": 0.999, "memory.hints": True, "memory.reuse": False,
     "memory.reuse_min_reward": 0.5, "memory.tau_dup": 0.93, "memory.z": 1.5,

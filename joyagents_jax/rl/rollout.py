@@ -43,6 +43,11 @@ class RolloutConfig:
     # nodewise: also branch at the nodes of tau0 the memory answered; the stored output is one
     # member of the node group (`Sample.from_memory`), the policy draws the other G - 1.
     memory_branches: bool = False
+    # nodewise with memory_branches: the stored output counts as this many members of its node
+    # group (its reward that many times in the group's mean and std, its row that many times
+    # in the loss), so where the policy's samples contest a stored answer the pull toward it
+    # matches theirs. 1: one member like each sample.
+    memory_members: int = 1
     # nodewise: where tau0 left its task's gold trajectory at a node (the context is gold's, the
     # output is not), the gold output joins the node group as member G + 1 (`Sample.from_gold`),
     # completed by the policy like the others: off-policy guidance (LUFFY) toward answers the
@@ -92,6 +97,11 @@ class RolloutConfig:
                      "branch_min_change", "unbranched_memory"):
             if getattr(self, name) and self.mode != "nodewise":
                 raise ValueError(f"rollout.{name} needs mode nodewise, got {self.mode!r}.")
+        if self.memory_members < 1:
+            raise ValueError(f"rollout.memory_members must be >= 1, got {self.memory_members}.")
+        if self.memory_members > 1 and (not self.memory_branches or self.suffix_credit):
+            raise ValueError("rollout.memory_members > 1 needs memory_branches and not "
+                             "suffix_credit (whose rewards are already advantages).")
         if not 0.0 <= self.branch_min_change < 1.0:
             raise ValueError(f"rollout.branch_min_change is a probability in [0, 1), got "
                              f"{self.branch_min_change}.")
@@ -392,6 +402,8 @@ class Rollout:
                 s = self._sample_of(trace, i, parts[scored_by[m]], group, q)._replace(
                     uses_memory=uses_memory, from_gold=m == g)
                 samples.append(s if adv is None else s._replace(reward=float(adv[m])))
+                if s.from_memory:
+                    samples += [s] * (self.cfg.memory_members - 1)
             if adv is not None and np.ptp(adv) > 0:  # else every advantage is 0
                 samples += self._suffix(members, scored_by, i, q, adv, len(groups), suffixes)
         first = len(groups) + len(suffixes)

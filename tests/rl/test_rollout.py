@@ -286,6 +286,39 @@ def test_memory_branches_group_the_stored_output_with_policy_samples(examples, s
     assert {s.node for s in without.samples}.isdisjoint(memory_at)
 
 
+def test_memory_members_count_the_stored_output_that_many_times(examples, sys_):
+    """memory_members=k: at a memory-answered node the stored output is k identical rows of its
+    node group (the same output, reward and NaN log-probs), the policy's G - 1 samples one row
+    each; nodes the policy answered keep G members, and k=1 is the default's group."""
+    ex = examples["math"]
+    gold = gold_script([ex])
+
+    def script(node_input, j, group_size):
+        if node_input.agent == "math" and group_size > 1:
+            return "<answer>wrong</answer>"
+        return gold(node_input, j, group_size)
+    g, k = 3, 4
+    runs = {n: rollout.Rollout(sys_, TOK, ScriptedPolicy(script), rollout.RolloutConfig(
+        "nodewise", g, memory_branches=True, memory_members=n), MathMemory(gold, sys_)
+        ).run([_task(ex)]) for n in (1, k)}
+    nodes = runs[k].episodes[0].episode.nodes
+    memory_at = {i for i, n in enumerate(nodes) if n.from_memory}
+    assert memory_at
+    for i, n in enumerate(nodes):
+        members = [s for s in runs[k].samples if s.node == i]
+        stored = [s for s in members if s.from_memory]
+        assert len(stored) == (k if i in memory_at else 0)
+        assert len(members) == len(stored) + g - (i in memory_at)
+        assert len({(s.group, s.reward, bytes(s.output_ids)) for s in stored}) <= 1
+        policy = lambda r: [(s.group, s.reward, bytes(s.output_ids)) for s in r.samples
+                            if s.node == i and not s.from_memory]
+        assert policy(runs[k]) == policy(runs[1])
+    with pytest.raises(ValueError, match="memory_members > 1 needs memory_branches"):
+        rollout.RolloutConfig("nodewise", g, memory_members=2)
+    with pytest.raises(ValueError, match="memory_members must be >= 1"):
+        rollout.RolloutConfig("nodewise", g, memory_branches=True, memory_members=0)
+
+
 def test_gold_branches_add_the_gold_output_where_the_rollout_leaves_gold(examples, sys_):
     """gold_branches: where tau0 follows gold up to a node and departs there, the gold output
     joins that node group as member G + 1 (NaN sampler log-probs, an LLM call of its episode,
