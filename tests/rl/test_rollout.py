@@ -255,10 +255,9 @@ def test_samples_of_episodes_with_a_memory_answer_are_marked(examples, sys_, mod
     assert alone.samples and not any(s.uses_memory for s in alone.samples)
 
 
-def test_memory_branches_group_the_stored_output_with_policy_samples(examples, sys_):
-    """memory_branches: a memory-answered node forms a node group too, the memory's output
-    (member 0, NaN sampler log-probs) beside G - 1 policy samples, which here answer wrongly,
-    so the group has the reward spread that moves the policy toward the stored answer."""
+def _stored_math_run(examples, sys_, cfg: rollout.RolloutConfig) -> rollout.RolloutResult:
+    """The math example rolled out beside a memory of its gold outputs, the math agent's
+    samples (not its greedy tau0) answering wrongly."""
     ex = examples["math"]
     gold = gold_script([ex])
 
@@ -266,10 +265,17 @@ def test_memory_branches_group_the_stored_output_with_policy_samples(examples, s
         if node_input.agent == "math" and group_size > 1:
             return "<answer>wrong</answer>"
         return gold(node_input, j, group_size)
+    return rollout.Rollout(sys_, TOK, ScriptedPolicy(script), cfg,
+                           MathMemory(gold, sys_)).run([_task(ex)])
+
+
+def test_memory_branches_group_the_stored_output_with_policy_samples(examples, sys_):
+    """memory_branches: a memory-answered node forms a node group too, the memory's output
+    (member 0, NaN sampler log-probs) beside G - 1 policy samples, which here answer wrongly,
+    so the group has the reward spread that moves the policy toward the stored answer."""
     g = 3
-    cfg = rollout.RolloutConfig("nodewise", g, memory_branches=True)
-    result = rollout.Rollout(sys_, TOK, ScriptedPolicy(script), cfg,
-                             MathMemory(gold, sys_)).run([_task(ex)])
+    result = _stored_math_run(examples, sys_,
+                              rollout.RolloutConfig("nodewise", g, memory_branches=True))
     nodes = result.episodes[0].episode.nodes
     memory_at = [i for i, n in enumerate(nodes) if n.from_memory]
     assert memory_at and result.counters.alternatives == g * len(nodes)
@@ -281,8 +287,7 @@ def test_memory_branches_group_the_stored_output_with_policy_samples(examples, s
         assert all(np.isfinite(s.sampler_logp).all() for s in members[1:])
         assert members[0].reward > max(s.reward for s in members[1:])
     assert not any(s.from_memory for s in result.samples if s.node not in memory_at)
-    without = rollout.Rollout(sys_, TOK, ScriptedPolicy(script), rollout.RolloutConfig(
-        "nodewise", g), MathMemory(gold, sys_)).run([_task(ex)])
+    without = _stored_math_run(examples, sys_, rollout.RolloutConfig("nodewise", g))
     assert {s.node for s in without.samples}.isdisjoint(memory_at)
 
 
@@ -290,17 +295,9 @@ def test_memory_members_count_the_stored_output_that_many_times(examples, sys_):
     """memory_members=k: at a memory-answered node the stored output is k identical rows of its
     node group (the same output, reward and NaN log-probs), the policy's G - 1 samples one row
     each; nodes the policy answered keep G members, and k=1 is the default's group."""
-    ex = examples["math"]
-    gold = gold_script([ex])
-
-    def script(node_input, j, group_size):
-        if node_input.agent == "math" and group_size > 1:
-            return "<answer>wrong</answer>"
-        return gold(node_input, j, group_size)
     g, k = 3, 4
-    runs = {n: rollout.Rollout(sys_, TOK, ScriptedPolicy(script), rollout.RolloutConfig(
-        "nodewise", g, memory_branches=True, memory_members=n), MathMemory(gold, sys_)
-        ).run([_task(ex)]) for n in (1, k)}
+    runs = {n: _stored_math_run(examples, sys_, rollout.RolloutConfig(
+        "nodewise", g, memory_branches=True, memory_members=n)) for n in (1, k)}
     nodes = runs[k].episodes[0].episode.nodes
     memory_at = {i for i, n in enumerate(nodes) if n.from_memory}
     assert memory_at
