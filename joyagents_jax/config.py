@@ -273,7 +273,8 @@ def get_config() -> ml_collections.ConfigDict:
     # the loss), so at a node where the policy's samples contest a stored answer its pull
     # matches theirs (1: one member like each sample). With k = 3 the policies alone ended at
     # 0.672 on the AMD EPYC's seeds 0-4 against 0.679 (19 / 26 test queries won / lost;
-    # benchmarks/RESULTS.md, "The memory's member counted three times").
+    # benchmarks/RESULTS.md, "The memory's member counted three times"). No effect where
+    # memory_branches has none.
     c.grpo = ml_collections.ConfigDict(dict(
         steps=44, queries=36, group_size=4, mode="nodewise", topk=0, select="groups",
         micro_batch=16, inner_steps=2, beta=0.04, eps_low=0.2, eps_high=0.28, kl="k3",
