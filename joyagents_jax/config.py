@@ -166,6 +166,9 @@ def get_config() -> ml_collections.ConfigDict:
     # query_order: "traffic" draws GRPO's queries from the train split as recorded (popular
     # questions as often as users ask them); "questions" from its distinct questions, each once
     # per epoch (rare questions, where the SFT policies fail most, as often as popular ones).
+    # query_power = p < 1 (traffic order): a question with n train records keeps its first
+    # ceil(n ** p) of them in GRPO's pool, so popular questions are asked less often and rare
+    # ones relatively more (0: one record per question; 1: the traffic as recorded).
     # w_grounding > 0 adds R_G to GRPO's reward: the share of the words agents copy into tool
     # arguments and answers that occur in what they read (0: the paper's R_A + R_F - R_E);
     # grounding_match "word" counts verbatim words only, "chars" gives near copies partial
@@ -286,7 +289,7 @@ def get_config() -> ml_collections.ConfigDict:
         gold_branches=False, share_identical=True, suffix_credit=False, greedy_completions=False,
         self_imitation=0, subagent_credit=False, branch_agents="", branch_min_change=0.0,
         unbranched_memory="eval", replay=12, seed=-1, select_every=4, select_examples=360,
-        memory_members=1))
+        memory_members=1, query_power=1.0))
 
     # Reuse needs a (near-)identical node input: with mean-pooled embeddings of a tiny model,
     # different prompts of one agent reach cosine 0.9996 (measured). Hints are off by default

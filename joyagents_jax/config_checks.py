@@ -302,6 +302,8 @@ def _grpo(c) -> Iterator[str]:
                     _choice(c, "grpo.unbranched_memory", UNBRANCHED_MEMORY),
                     _choice(c, "grpo.memory_groups", MEMORY_GROUPS),
                     _choice(c, "grpo.query_order", QUERY_ORDERS),
+                    _number(c, "grpo.query_power", low=0, high=1,
+                            why="1: every train record; 0: one record per question"),
                     _number(c, "grpo.w_format", low=0), _number(c, "grpo.w_efficiency", low=0),
                     _number(c, "grpo.w_grounding", low=0, why="0 leaves R_G out"),
                     _choice(c, "grpo.grounding_match", rewards.GROUNDING_MATCHES),
@@ -344,6 +346,10 @@ def _grpo(c) -> Iterator[str]:
         yield (f"config.grpo.memory_members={g.memory_members} with grpo.suffix_credit=True: "
                f"copies of the memory's member would change a group whose rewards are already "
                f"advantages. Set memory_members=1 or suffix_credit=False.")
+    if g.query_order == "questions" and isinstance(g.query_power, (int, float)) and g.query_power != 1:
+        yield (f"config.grpo.query_power={g.query_power} with grpo.query_order=questions: the "
+               f"question order already keeps one record per question. Use "
+               f"query_order=traffic with the power, or query_power=1.")
     if g.greedy_completions is True and g.tempered_loss is True and g.mode == "nodewise":
         yield ("config.grpo.greedy_completions=True with grpo.tempered_loss=True: greedy "
                "outputs have no log-probs under the tempered sampling distribution that loss "

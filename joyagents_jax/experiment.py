@@ -386,15 +386,18 @@ class Experiment:
         return rows
 
     def _grpo_pool(self) -> list[int]:
-        """The train records GRPO draws queries from (`grpo.query_order`): all of them, or the
-        first record of each distinct question."""
+        """The train records GRPO draws queries from (`grpo.query_order`, `grpo.query_power`):
+        of a question with n train records, its first ceil(n ** p) in traffic order (p = 1: all
+        of them), the first one in question order."""
         source = self.sources["train"]
-        if self.config.grpo.query_order == "traffic":
+        g = self.config.grpo
+        if g.query_order == "traffic" and g.query_power == 1:
             return list(range(len(source)))
-        first = {}
+        records = collections.defaultdict(list)
         for i in range(len(source)):
-            first.setdefault(suite.decode(source[i]).question_id, i)
-        return sorted(first.values())
+            records[suite.decode(source[i]).question_id].append(i)
+        p = g.query_power if g.query_order == "traffic" else 0.0
+        return sorted(i for rows in records.values() for i in rows[:math.ceil(len(rows) ** p)])
 
     def train_records(self, k: int) -> list[int]:
         """GRPO step k's fresh queries as train record indices: a seeded permutation of the

@@ -1,6 +1,8 @@
 """The pipeline end to end on a tiny config: CLI, exact resume, preemption, fallback, export."""
 
+import collections
 import json
+import math
 import os
 import signal
 import subprocess
@@ -538,6 +540,26 @@ def test_question_order_visits_every_distinct_train_question_once_per_epoch(data
     epoch = [t.query for k in range(-(-n // q)) for t in exp.train_tasks(k)][:n]
     assert sorted(epoch) == sorted(distinct)
     assert all(t.query in epoch for t in exp.refill_tasks(0, 1))
+
+
+def test_query_power_keeps_the_first_ceil_n_to_the_power_records_of_each_question(data_dir,
+                                                                                  tmp_path):
+    """grpo.query_power = p: GRPO's pool keeps the first ceil(n ** p) of a question's n train
+    records (p = 1: the traffic; p = 0: one record per question, the question order's pool)."""
+    make = lambda name, **extra: evaluate.experiment.Experiment(
+        _config(data_dir=data_dir, **extra), str(tmp_path / name))
+    half = make("half", **{"grpo.query_power": 0.5})
+    source = half.sources["train"]
+    records = collections.defaultdict(list)
+    for i in range(len(source)):
+        records[suite.decode(source[i]).question_id].append(i)
+    assert max(map(len, records.values())) > 4  # some question is popular enough to be cut
+    want = sorted(i for rows in records.values() for i in rows[:math.ceil(len(rows) ** 0.5)])
+    assert half.grpo_pool == want and len(records) < len(want) < len(source)
+    assert make("zero", **{"grpo.query_power": 0.0}).grpo_pool == make(
+        "q", **{"grpo.query_order": "questions"}).grpo_pool == [rows[0] for rows in sorted(
+            records.values())]
+    assert all(source_index in want for source_index in half.train_records(0))
 
 
 def test_grpo_seed_draws_other_queries_after_the_same_sft_phase(data_dir, tmp_path):
