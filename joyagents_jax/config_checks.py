@@ -346,7 +346,8 @@ def _grpo(c) -> Iterator[str]:
         yield (f"config.grpo.memory_members={g.memory_members} with grpo.suffix_credit=True: "
                f"copies of the memory's member would change a group whose rewards are already "
                f"advantages. Set memory_members=1 or suffix_credit=False.")
-    if g.query_order == "questions" and isinstance(g.query_power, (int, float)) and g.query_power != 1:
+    if (g.query_order == "questions" and isinstance(g.query_power, (int, float))
+            and g.query_power != 1):
         yield (f"config.grpo.query_power={g.query_power} with grpo.query_order=questions: the "
                f"question order already keeps one record per question. Use "
                f"query_order=traffic with the power, or query_power=1.")
