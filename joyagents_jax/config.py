@@ -168,7 +168,10 @@ def get_config() -> ml_collections.ConfigDict:
     # per epoch (rare questions, where the SFT policies fail most, as often as popular ones).
     # query_power = p < 1 (traffic order): a question with n train records keeps its first
     # ceil(n ** p) of them in GRPO's pool, so popular questions are asked less often and rare
-    # ones relatively more (0: one record per question; 1: the traffic as recorded).
+    # ones relatively more (0: one record per question; 1: the traffic as recorded). At 0.5
+    # the policies alone ended at 0.676 on the AMD EPYC's seeds 0-4 against 0.679 (24 / 27
+    # test queries won / lost), 0.733 with the memory against 0.716 (benchmarks/RESULTS.md,
+    # "Rare questions asked more often").
     # w_grounding > 0 adds R_G to GRPO's reward: the share of the words agents copy into tool
     # arguments and answers that occur in what they read (0: the paper's R_A + R_F - R_E);
     # grounding_match "word" counts verbatim words only, "chars" gives near copies partial
