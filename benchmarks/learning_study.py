@@ -146,9 +146,14 @@ PAIRED_BASELINES = ("trajectory", "nodewise_all")  # the issue's baselines for J
 
 
 def parse_overrides(items: list[str]) -> dict:
-    """["grpo.topk=2", "grpo.mode=trajectory"] -> {"grpo.topk": 2, "grpo.mode": "trajectory"}."""
-    return {k: ast.literal_eval(v) if v[:1] in "0123456789-.[(" or v in ("True", "False")
-            else v for k, _, v in (item.partition("=") for item in items)}
+    """["grpo.topk=2", "grpo.mode=trajectory", "grpo.gold_branches=true"] -> {"grpo.topk": 2,
+    "grpo.mode": "trajectory", "grpo.gold_branches": True}: booleans in any case, as
+    `joyagents train --config.KEY=VALUE` reads them."""
+    def value(v: str):
+        if v.lower() in ("true", "false"):
+            return v.lower() == "true"
+        return ast.literal_eval(v) if v[:1] in "0123456789-.[(" else v
+    return {k: value(v) for k, _, v in (item.partition("=") for item in items)}
 
 
 def config_for(seed: int, overrides: dict) -> "config_lib.ml_collections.ConfigDict":

@@ -155,6 +155,14 @@ def test_calls_against_minimum_need_the_minimum():
     assert ls.calls_against_minimum({"test_calls_no_memory": [5]}) is None
 
 
+def test_parse_overrides_reads_numbers_booleans_in_any_case_and_strings():
+    assert ls.parse_overrides(["grpo.topk=2", "grpo.query_power=0.5", "grpo.mode=trajectory",
+                               "grpo.gold_branches=true", "memory.enabled=False",
+                               "eval.splits=('test',)"]) == {
+        "grpo.topk": 2, "grpo.query_power": 0.5, "grpo.mode": "trajectory",
+        "grpo.gold_branches": True, "memory.enabled": False, "eval.splits": ("test",)}
+
+
 def test_sft_overrides_keep_what_changes_the_sft_phase():
     assert ls.sft_overrides({"max_len": 384, "sft.demo_redundant_call": 0.0, "grpo.topk": 1,
                              "memory.enabled": False}) == {"max_len": 384,
