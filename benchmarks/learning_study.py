@@ -16,7 +16,8 @@ piece by piece; --report aggregates whatever exists into `<out>.json` (one recor
 and seed: SFT and final accuracy with and without the memory, LLM calls, tokens, how many `test`
 queries GRPO fixed and broke for the policies alone against SFT, on how many it raised and
 lowered their LLM calls, and their calls above and below each query's minimum), a Markdown table
-(mean +- std over seeds, then the questions behind each run's fixed and broken queries) and
+(mean +- std over seeds, then each run against the baselines query by query and per domain,
+and the questions behind each run's fixed and broken queries) and
 `<out>.png` (rollout accuracy, and with --eval_every held-out accuracy without the memory,
 against generated tokens). Each run records its device and commit, and is compared (with SFT,
 with the baselines) only to runs of its seed on the same device. `--set KEY=VALUE` overrides
@@ -433,18 +434,56 @@ def records(runs: list[dict]) -> list[dict]:
     return out
 
 
-def question_ids(root: str, runs: list[dict]) -> tuple[list[str], collections.Counter] | None:
-    """The question of each `test` query, and each question's records in `train`, from the suite
-    in `root`; None when no run has per-query answers."""
+def question_ids(root: str, runs: list[dict]
+                 ) -> tuple[list[str], collections.Counter, list[str]] | None:
+    """The question of each `test` query, each question's records in `train`, and each `test`
+    query's domain, from the suite in `root`; None when no run has per-query answers."""
     answered = [r for r in runs if r.get("test_answers_no_memory")]
     if not answered:
         return None
     overrides = {**answered[0].get("overrides", {}), "data_dir": os.path.join(root, "data")}
     sources = experiment.load_sources(config_for(0, overrides), root)
-    qid = [suite.decode(sources["test"][i]).question_id for i in range(SPLITS["test"])]
+    test = [suite.decode(sources["test"][i]) for i in range(SPLITS["test"])]
     train = collections.Counter(suite.decode(sources["train"][i]).question_id
                                 for i in range(len(sources["train"])))
-    return qid, train
+    return [x.question_id for x in test], train, [x.domain for x in test]
+
+
+def domain_table(by_variant: dict[str, list[dict]], domains: list[str],
+                 baselines=PAIRED_BASELINES) -> str:
+    """Markdown: per variant, the policies alone's `test` accuracy in each domain (over its seeds
+    with per-query answers), then each GRPO variant's queries won / lost per domain against
+    each baseline on the same seeds: where a lead lives. "" when no run has per-query answers."""
+    dom = np.asarray(domains)
+    names = sorted(set(domains))
+    cols = [f"{d} ({(dom == d).sum()})" for d in names]
+    acc = ["| variant | seeds | " + " | ".join(cols) + " |", "|" + "---|" * (2 + len(names))]
+    for name in VARIANTS:
+        rs = [r for r in by_variant.get(name, []) if r.get("test_answers_no_memory")]
+        if rs:
+            right = np.mean([np.asarray(r["test_answers_no_memory"]) > 0 for r in rs], 0)  # [Q]
+            acc.append(f"| {name} | {','.join(str(r['seed']) for r in rs)} | "
+                       + " | ".join(f"{right[dom == d].mean():.3f}" for d in names) + " |")
+    if len(acc) == 2:
+        return ""
+    won_lost = ["| variant | against | seeds | " + " | ".join(cols) + " |",
+                "|" + "---|" * (3 + len(names))]
+    for base in baselines:
+        base_runs = {run_key(r): r for r in by_variant.get(base, [])}
+        for name in VARIANTS:
+            if name not in by_variant or name == base or is_sft(name):
+                continue
+            pairs = [(r["seed"], flip_masks(r, base_runs.get(run_key(r))))
+                     for r in by_variant[name]]
+            pairs = [(seed, m) for seed, m in pairs if m]
+            if pairs:
+                won = sum(m[0] for _, m in pairs)  # [Q] seeds on which the variant alone won
+                lost = sum(m[1] for _, m in pairs)
+                won_lost.append(
+                    f"| {name} | {base} | {','.join(str(seed) for seed, _ in pairs)} | "
+                    + " | ".join(f"{won[dom == d].sum()} / {lost[dom == d].sum()}"
+                                 for d in names) + " |")
+    return "\n".join(acc) + ("\n\n" + "\n".join(won_lost) if len(won_lost) > 2 else "")
 
 
 def flip_listing(runs: list[dict], qid: list[str], train: collections.Counter) -> str:
@@ -537,7 +576,7 @@ def report(root: str, out_md: str, out_png: str) -> str:
                  stat([r["generated_tokens"] for r in rs], ".0f")]
         lines.append("| " + " | ".join(cells) + " |")
     table = "\n".join(lines)
-    qid, train = question_ids(root, runs) or (None, None)
+    qid, train, domains = question_ids(root, runs) or (None, None, None)
     pairs = paired_table(by_variant, qid)
     if pairs:
         table += ("\n\nEach run against the baselines on the same seeds, query by query and "
@@ -549,6 +588,10 @@ def report(root: str, out_md: str, out_png: str) -> str:
     listing = flip_listing(runs, qid, train) if qid else ""
     if listing:
         table += "\n\nTest queries fixed and broken by GRPO, by question:\n\n" + listing
+    by_domain = domain_table(by_variant, domains) if qid else ""
+    if by_domain:
+        table += ("\n\nThe policies alone per domain (accuracy; then test queries won / lost "
+                  "against the baselines):\n\n" + by_domain)
     popularity = popularity_table(runs, qid, train) if qid else ""
     if popularity:
         table += ("\n\nTest queries fixed and broken by GRPO on popular and rare questions:"

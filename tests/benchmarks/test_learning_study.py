@@ -83,6 +83,23 @@ def test_paired_table_rows_name_variant_baseline_and_net_points():
     assert ls.paired_table({"default": by_variant["default"]}) == ""
 
 
+def test_domain_table_gives_accuracy_alone_and_wins_per_domain():
+    run = lambda seed, xs, device="cpu": {"seed": seed, "device": device,
+                                          "test_answers_no_memory": xs}
+    domains = ["math", "math", "qa", "qa"]
+    by_variant = {"sft_only": [run(0, [0, 0, 0, 0])],
+                  "default": [run(0, [1, 1, 0, 1]), run(1, [1, 0, 0, 0])],
+                  "trajectory": [run(0, [0, 1, 1, 1]), run(1, [1, 0, 0, 0], "gpu")]}
+    acc, won_lost = ls.domain_table(by_variant, domains, baselines=("trajectory",)).split("\n\n")
+    assert acc.splitlines() == [
+        "| variant | seeds | math (2) | qa (2) |", "|---|---|---|---|",
+        "| sft_only | 0 | 0.000 | 0.000 |", "| default | 0,1 | 0.750 | 0.250 |",
+        "| trajectory | 0,1 | 0.500 | 0.500 |"]
+    # Seed 1's trajectory run is of another device: only seed 0 pairs up.
+    assert won_lost.splitlines()[2:] == ["| default | trajectory | 0 | 1 / 0 | 0 / 1 |"]
+    assert ls.domain_table({"default": [run(0, [])]}, domains) == ""
+
+
 def test_question_flips_count_each_question_once_by_its_net_flips():
     qid = ["a", "a", "a", "b", "b", "c", "d"]
     run = {"test_answers_no_memory": [1, 1, 1, 1, 0, 0, 1]}
