@@ -143,7 +143,9 @@ VARIANTS = {
 }
 MAIN = ("sft_only", "trajectory", "nodewise_all", "nodewise_topk", "joyagents")
 SPLITS = {"test": 200, "test_novel": 50}
-PAIRED_BASELINES = ("trajectory", "nodewise_all")  # the issue's baselines for JoyAgents-R1
+# The issue's baselines for JoyAgents-R1; `trajectory` and `trajectory_replay` run one config
+# since replay is the default (session 70), and the records since then name the latter.
+PAIRED_BASELINES = ("trajectory", "trajectory_replay", "nodewise_all")
 
 
 def parse_overrides(items: list[str]) -> dict:
@@ -605,13 +607,11 @@ def report(root: str, out_md: str, out_png: str) -> str:
 def heldout_points(run: dict, sft_acc: float | None) -> list[tuple[int, float]]:
     """(generated tokens, test accuracy of the policies alone): SFT's at 0 tokens, each
     `--eval_every` evaluation, and the final evaluation where the run ran past the last one (a
-    token budget seldom ends on a multiple of eval_every). Empty for a run never evaluated
-    along the way."""
+    token budget seldom ends on a multiple of eval_every; for a run never evaluated along the
+    way, the only point after SFT's)."""
     held = [(p["tokens"], p["test_acc_no_memory"]) for p in run["curve"]
             if "test_acc_no_memory" in p]
-    if not held:
-        return []
-    if "test_acc_no_memory" not in run["curve"][-1]:
+    if not run["curve"] or "test_acc_no_memory" not in run["curve"][-1]:
         held.append((run["generated_tokens"], run["test_acc_no_memory"]))
     return ([(0, sft_acc)] if sft_acc is not None else []) + held
 
@@ -626,8 +626,9 @@ def variant_colors(names: list[str]) -> dict[str, str]:
 
 
 def study_figure(by_variant: dict[str, list[dict]]) -> matplotlib.figure.Figure:
-    """Left: rollout accuracy against generated tokens. Right (runs with --eval_every): held-out
-    test accuracy of the policies without the memory against generated tokens, from SFT on.
+    """Left: rollout accuracy against generated tokens. Right: held-out test accuracy of the
+    policies without the memory against generated tokens, from SFT on (solid with --eval_every,
+    dotted from SFT to the final evaluation without).
     One legend below both panels, so that it hides no curve; token ticks in engineering
     notation (350k), since raw counts run into each other."""
     from matplotlib.figure import Figure
@@ -651,9 +652,10 @@ def study_figure(by_variant: dict[str, list[dict]]) -> matplotlib.figure.Figure:
             y = [np.mean(acc[max(0, t - 2):t + 1]) for t in range(len(acc))]  # trailing mean
             rollout_ax.plot(x, y, color=color, alpha=0.7, lw=1, label=label)
             held = heldout_points(r, sft.get(run_key(r)))
-            if len(held) > 1:
-                hx, hy = zip(*held)
-                heldout_ax.plot(hx, hy, color=color, alpha=0.7, lw=1, marker=".")
+            along = any("test_acc_no_memory" in p for p in r["curve"])
+            hx, hy = zip(*held)  # dotted: SFT and the final evaluation only, nothing between
+            heldout_ax.plot(hx, hy, color=color, alpha=0.7, lw=1, marker=".",
+                            ls="-" if along else ":")
     for ax in (rollout_ax, heldout_ax):
         ax.set_xlabel("generated tokens (sampler budget)")
         ax.xaxis.set_major_formatter(EngFormatter(sep=""))

@@ -32,8 +32,10 @@ def test_heldout_points_do_not_repeat_an_evaluation_at_the_last_step():
     assert ls.heldout_points(run, None) == [(200, 0.6), (400, 0.7)]
 
 
-def test_heldout_points_are_empty_without_evaluations_along_the_way():
-    assert ls.heldout_points(_run({}, final_tokens=300, final_acc=0.6), 0.5) == []
+def test_heldout_points_are_sft_and_the_final_evaluation_without_evaluations_along_the_way():
+    assert ls.heldout_points(_run({}, final_tokens=300, final_acc=0.6), 0.5) == [(0, 0.5),
+                                                                                 (300, 0.6)]
+    assert ls.heldout_points(_run({}, final_tokens=300, final_acc=0.6), None) == [(300, 0.6)]
 
 
 @pytest.mark.parametrize("after,before,expected", [
@@ -219,7 +221,9 @@ def test_study_figure_labels_token_ticks_in_thousands_on_both_panels():
             "default": [{"seed": 0, "generated_tokens": 350_000, "test_acc_no_memory": 0.72,
                          "curve": [{"tokens": 70_000 * k, "accuracy": 0.5 + 0.05 * k,
                                     **({"test_acc_no_memory": 0.6} if k == 2 else {})}
-                                   for k in range(1, 6)]}]}
+                                   for k in range(1, 6)]},
+                        {"seed": 1, "generated_tokens": 200_000, "test_acc_no_memory": 0.7,
+                         "curve": [{"tokens": 100_000 * k, "accuracy": 0.6} for k in (1, 2)]}]}
     fig = ls.study_figure(runs)
     fig.canvas.draw()
     rollout_ax, heldout_ax = fig.axes
@@ -227,7 +231,10 @@ def test_study_figure_labels_token_ticks_in_thousands_on_both_panels():
         labels = [t.get_text() for t in ax.get_xticklabels() if t.get_text()]
         assert labels and all(len(text) <= 5 for text in labels), labels
     assert heldout_ax.xaxis.get_major_formatter()(350_000) == "350k"
-    assert len(heldout_ax.lines) == 1 and len(rollout_ax.lines) == 1
+    assert len(rollout_ax.lines) == 2
+    # Seed 0 evaluated along the way: solid from SFT; seed 1 (no SFT run) only at its end.
+    assert [(line.get_linestyle(), len(line.get_xdata())) for line in heldout_ax.lines] == [
+        ("-", 3), (":", 1)]
 
 
 @pytest.mark.parametrize("name", list(ls.VARIANTS))
