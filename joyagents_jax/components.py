@@ -26,7 +26,8 @@ LOOP_KEYS = ("sft.steps", "sft.shared_steps", "sft.batch_per_agent", "sft.extra_
              "grpo.steps", "grpo.queries", "grpo.memory_groups", "grpo.min_groups",
              "grpo.max_refills", "grpo.query_order", "grpo.query_power",
              "grpo.self_imitation", "grpo.replay",
-             "grpo.seed", "grpo.select_every", "grpo.select_examples", "memory.enabled",
+             "grpo.seed", "grpo.select_every", "grpo.select_examples",
+             "grpo.select_split", "memory.enabled",
              "memory.in_rollouts")
 
 

@@ -274,6 +274,9 @@ def get_config() -> ml_collections.ConfigDict:
     # (37 / 12 test queries won / lost), for ~47 s of the default's run; 120 records chose a
     # worse step on seed 4 (0.630; benchmarks/RESULTS.md, "Which iterate each selection rule
     # chooses").
+    # select_split: where the slice comes from: "train" (the records GRPO also trains on) or
+    # "validation" (held-out records of the same traffic as `test`, never trained on; the
+    # assistant suite's 200, all of them with select_examples >= 200; GSM8K has none).
     # memory_members = k: with memory_branches, the memory's stored output counts as k members
     # of its node group (its reward k times in the group's mean and std, its row k times in
     # the loss), so at a node where the policy's samples contest a stored answer its pull
@@ -292,7 +295,7 @@ def get_config() -> ml_collections.ConfigDict:
         gold_branches=False, share_identical=True, suffix_credit=False, greedy_completions=False,
         self_imitation=0, subagent_credit=False, branch_agents="", branch_min_change=0.0,
         unbranched_memory="eval", replay=12, seed=-1, select_every=4, select_examples=360,
-        memory_members=1, query_power=1.0))
+        select_split="train", memory_members=1, query_power=1.0))
 
     # Reuse needs a (near-)identical node input: with mean-pooled embeddings of a tiny model,
     # different prompts of one agent reach cosine 0.9996 (measured). Hints are off by default

@@ -27,6 +27,7 @@ ATTENTION_IMPLS = ("xla", "cudnn")
 DTYPES = ("float32", "bfloat16", "float16")
 MODES = ("nodewise", "trajectory", "full_tree")
 SELECTS = ("groups", "agents")
+SELECT_SPLITS = ("train", "validation")  # where grpo.select_every's slice comes from
 KLS = ("k1", "k2", "k3")
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 ADVANTAGES = ("std", "no_std", "loo")
@@ -321,7 +322,11 @@ def _grpo(c) -> Iterator[str]:
                             why="GRPO steps between scorings of the policies; 0 = the last "
                                 "step's policies"),
                     _number(c, "grpo.select_examples", low=1, integer=True,
-                            why="train records the policies are scored on"))
+                            why="records the policies are scored on"),
+                    _choice(c, "grpo.select_split", SELECT_SPLITS))
+    if g.select_split == "validation" and g.select_every and c.dataset == "gsm8k":
+        yield ("config.grpo.select_split=validation: GSM8K has no validation split (train and "
+               "test only); use grpo.select_split=train, or grpo.select_every=0.")
     if isinstance(g.replay, int) and isinstance(g.queries, int) and g.replay >= g.queries >= 1:
         yield (f"config.grpo.replay={g.replay}: a step re-asks at most grpo.replay of the "
                f"previous step's queries in place of fresh ones, so it must stay below "

@@ -73,10 +73,10 @@ class Experiment:
         self.parts = components.build(config)
         self.sources = distributed.primary_first(  # process 0 prepares the data once
             "load_sources", lambda: load_sources(config, workdir))
-        if config.grpo.select_every:  # the train records `select` scores the policies on
-            train = self.sources["train"]
-            self.sources["select"] = [train[i] for i in selection.slice_rows(
-                len(train), config.grpo.select_examples)]
+        if config.grpo.select_every:  # the records `select` scores the policies on
+            pool = self.sources[config.grpo.select_split]
+            self.sources["select"] = [pool[i] for i in selection.slice_rows(
+                len(pool), config.grpo.select_examples)]
         self.system = system.make_system(suite.suite_world(config.suite),
                                          agents=[a for a in config.agents if a != protocol.MASTER],
                                          limits=self.parts.limits)

@@ -1,11 +1,11 @@
 """Choosing the GRPO iterate a run reports and exports (`grpo.select_every`).
 
 Every `select_every` GRPO steps and after the last, the policies answer a fixed seeded slice
-of train records greedily without the memory; the run keeps a copy of the best step's policies
-(the latest on ties), and its final evaluation and export use them. The slice comes from the
-training traffic, never from `test`, and choosing changes nothing the run trains. Why: where a
-run stops decides the questions its policies still contest (benchmarks/RESULTS.md, "Choosing
-the GRPO iterate on the training traffic").
+of records (`grpo.select_split`: train, or the held-out validation split) greedily without the
+memory; the run keeps a copy of the best step's policies (the latest on ties), and its final
+evaluation and export use them. The slice never comes from `test`, and choosing changes
+nothing the run trains. Why: where a run stops decides the questions its policies still
+contest (benchmarks/RESULTS.md, "Choosing the GRPO iterate on the training traffic").
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ class Selected:
     accuracy: jax.Array  # [] float32
 
 
-def slice_rows(num_train: int, examples: int) -> list[int]:
-    """The train records the policies are scored on: one seeded draw of `examples` of them
-    (all when there are fewer), sorted."""
+def slice_rows(num_records: int, examples: int) -> list[int]:
+    """The records of the selection split the policies are scored on: one seeded draw of
+    `examples` of them (all when there are fewer), sorted."""
     return sorted(np.random.default_rng(SLICE_SEED).choice(
-        num_train, min(examples, num_train), replace=False).tolist())
+        num_records, min(examples, num_records), replace=False).tolist())
 
 
 def due(grpo_step: int, every: int, last: bool) -> bool:

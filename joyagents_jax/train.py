@@ -158,7 +158,7 @@ def report(final: dict[str, float], workdir: str, already: bool = False) -> None
                 if (alone := k.replace("eval/", "eval_no_memory/")) in final else "")
             for k, v in sorted(final.items()) if k.startswith("eval/") and k.endswith("/accuracy")]
     chosen = ([f"  The policies of GRPO step {int(final['select/chosen_step'])}, the best on the "
-               f"selection slice of train records (config.grpo.select_every)."]
+               f"selection slice (config.grpo.select_every, select_split)."]
               if "select/chosen_step" in final else [])
     print("\n".join([head, "Held-out accuracy at the end (greedy; with the memory when it is "
                      "on):", *rows, *chosen,

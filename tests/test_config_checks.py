@@ -99,6 +99,8 @@ def test_the_default_the_byte_default_and_real_checkpoint_configs_are_valid(tmp_
     ({"grpo__replay": 36}, "config.grpo.replay=36: a step re-asks at most grpo.replay"),
     ({"grpo__select_every": -4}, "config.grpo.select_every=-4: must be >= 0"),
     ({"grpo__select_examples": 0}, "config.grpo.select_examples=0: must be >= 1"),
+    ({"grpo__select_split": "test"},
+     "config.grpo.select_split='test': not one of train, validation"),
     ({"grpo__memory_members": 0}, "config.grpo.memory_members=0: must be >= 1"),
     ({"grpo__memory_members": 3, "grpo__suffix_credit": True},
      "config.grpo.memory_members=3 with grpo.suffix_credit=True"),
@@ -133,6 +135,16 @@ def test_each_mistake_is_one_line_naming_the_key(overrides, fragment):
     assert fragment in found[0]
     with pytest.raises(config_checks.ConfigError, match="1 config problem"):
         config_checks.validate(_with(**overrides))
+
+
+def test_gsm8k_has_no_validation_split_to_select_on():
+    c = _with(agents=("master",), groups__all__agents=("master",), dataset="gsm8k",
+              gsm8k_dir="/x", eval__splits=("test",), grpo__select_split="validation")
+    assert config_checks.problems(c) == [
+        "config.grpo.select_split=validation: GSM8K has no validation split (train and test "
+        "only); use grpo.select_split=train, or grpo.select_every=0."]
+    c.grpo.select_every = 0  # nothing is scored, so no split is needed
+    assert not config_checks.problems(c)
 
 
 def test_branch_agents_must_list_an_agent_of_the_config():

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from joyagents_jax import checkpoint, evaluate, export, metrics, train
+from joyagents_jax import checkpoint, evaluate, export, metrics, selection, train
 from joyagents_jax import config as config_lib
 from joyagents_jax.data import assistant_suite as suite
 from joyagents_jax.rl import rollout
@@ -524,6 +524,20 @@ def test_selection_turned_off_at_a_resume_reports_the_last_iterate(reference_run
     assert "select/chosen_step" not in final and "eval_no_memory/test/accuracy" in final
     _, run = evaluate.load_run(workdir)
     assert not run.selects and int(run.step) == 6
+
+
+def test_select_split_draws_the_selection_slice_from_the_validation_records(data_dir, tmp_path):
+    """grpo.select_split=validation: the iterate is scored on held-out validation records (all
+    of them when select_examples exceeds the split), never on records GRPO trains on."""
+    make = lambda name, **extra: evaluate.experiment.Experiment(
+        _config(data_dir=data_dir, **extra), str(tmp_path / name))
+    held = make("held", **{"grpo.select_split": "validation", "grpo.select_examples": 10_000})
+    queries = lambda exp, split: [suite.decode(r).query for r in exp.sources[split]]
+    assert queries(held, "select") == queries(held, "validation")
+    train = make("train")
+    rows = selection.slice_rows(len(train.sources["train"]), 4)
+    assert queries(train, "select") == [suite.decode(train.sources["train"][i]).query
+                                        for i in rows]
 
 
 def test_question_order_visits_every_distinct_train_question_once_per_epoch(data_dir, tmp_path):
