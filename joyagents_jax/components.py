@@ -24,7 +24,7 @@ from joyagents_jax.sampling import SamplingConfig
 LOOP_KEYS = ("sft.steps", "sft.shared_steps", "sft.batch_per_agent", "sft.extra_worlds",
              "sft.sorted_passes", "sft.demo_seed", "sft.order",
              "grpo.steps", "grpo.queries", "grpo.memory_groups", "grpo.min_groups",
-             "grpo.max_refills", "grpo.query_order", "grpo.query_power",
+             "grpo.max_refills", "grpo.query_order", "grpo.query_power", "grpo.domain_repeats",
              "grpo.self_imitation", "grpo.replay",
              "grpo.seed", "grpo.select_every", "grpo.select_examples",
              "grpo.select_split", "memory.enabled",

@@ -280,6 +280,10 @@ def get_config() -> ml_collections.ConfigDict:
     # AMD EPYC's seeds 0-9 validation chose another step in 9 of 30 runs of the default and
     # both baselines, and no better: the default alone 0.699 against 0.698 (21 / 18 test
     # queries; benchmarks/RESULTS.md, "Choosing the iterate on the held-out validation split").
+    # domain_repeats: a comma list "domain=n" (e.g. "cooperation=2"): every train record of that
+    # domain stands n times in GRPO's query pool (after query_order and query_power), so its
+    # queries are asked n times as often; the domains are the dataset's (the assistant suite's
+    # math, qa, efc, gfc, cooperation; GSM8K's math). "": every record once.
     # memory_members = k: with memory_branches, the memory's stored output counts as k members
     # of its node group (its reward k times in the group's mean and std, its row k times in
     # the loss), so at a node where the policy's samples contest a stored answer its pull
@@ -298,7 +302,7 @@ def get_config() -> ml_collections.ConfigDict:
         gold_branches=False, share_identical=True, suffix_credit=False, greedy_completions=False,
         self_imitation=0, subagent_credit=False, branch_agents="", branch_min_change=0.0,
         unbranched_memory="eval", replay=12, seed=-1, select_every=4, select_examples=360,
-        select_split="train", memory_members=1, query_power=1.0))
+        select_split="train", memory_members=1, query_power=1.0, domain_repeats=""))
 
     # Reuse needs a (near-)identical node input: with mean-pooled embeddings of a tiny model,
     # different prompts of one agent reach cosine 0.9996 (measured). Hints are off by default
@@ -333,6 +337,22 @@ BYTE_DEFAULT = {"tokenizer": "bytes", "groups.all.model": "tiny", "max_len": 512
                 "sampler.min_prompt_bucket": 256, "sft.steps": 900, "sft.shared_steps": 900,
                 "grpo.branch_agents": ",".join(SUB_AGENTS), "eval.grpo_every": 10,
                 "grpo.replay": 0}
+
+
+def domain_repeats(text: str) -> dict[str, int]:
+    """`grpo.domain_repeats` read: "cooperation=2,math=3" -> {"cooperation": 2, "math": 3}, ""
+    -> {}. ValueError names the part that is not "domain=n" with a whole n >= 1, or a domain
+    given twice."""
+    out = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        domain, _, n = part.partition("=")
+        domain = domain.strip()
+        if not domain or not n.strip().isdigit() or int(n) < 1:
+            raise ValueError(f"{part!r} is not 'domain=n' with a whole n >= 1")
+        if domain in out:
+            raise ValueError(f"domain {domain!r} is given twice")
+        out[domain] = int(n)
+    return out
 
 
 def byte_default() -> ml_collections.ConfigDict:

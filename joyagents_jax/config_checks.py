@@ -324,6 +324,7 @@ def _grpo(c) -> Iterator[str]:
                     _number(c, "grpo.select_examples", low=1, integer=True,
                             why="records the policies are scored on"),
                     _choice(c, "grpo.select_split", SELECT_SPLITS))
+    yield from _domain_repeats(c)
     if g.select_split == "validation" and g.select_every and c.dataset == "gsm8k":
         yield ("config.grpo.select_split=validation: GSM8K has no validation split (train and "
                "test only); use grpo.select_split=train, or grpo.select_every=0.")
@@ -384,6 +385,23 @@ def _grpo(c) -> Iterator[str]:
                               "or 0 (rows padded to the power of two of the step's own count)")):
         if isinstance(value, int) and value > 0 and value & (value - 1):
             yield f"config.{key}={value}: must be a power of two {what}."
+
+
+def _domain_repeats(c) -> Iterator[str]:
+    from joyagents_jax.data import assistant_suite
+
+    text = c.grpo.domain_repeats  # a string: ConfigDict refuses another type
+    try:
+        repeats = config_lib.domain_repeats(text)
+    except ValueError as e:
+        yield (f"config.grpo.domain_repeats={text!r}: {e}; write e.g. 'cooperation=2' or "
+               f"'cooperation=2,math=3' ('' asks every record once).")
+        return
+    domains = assistant_suite.DOMAINS if c.dataset == "assistant_suite" else ("math",)
+    for domain in repeats:
+        if domain not in domains:
+            yield (f"config.grpo.domain_repeats={text!r}: {c.dataset} has no domain "
+                   f"{domain!r}; its domains are {', '.join(domains)}.")
 
 
 def _memory(c) -> Iterator[str]:

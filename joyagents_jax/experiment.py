@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from joyagents_jax import batching, checkpoint, sft, sharding
 from joyagents_jax import components, config_checks, distributed
+from joyagents_jax import config as config_lib
 from joyagents_jax import train_state as ts
 from joyagents_jax.agents import demonstrator, protocol, system
 from joyagents_jax.data import assistant_suite as suite
@@ -386,18 +387,22 @@ class Experiment:
         return rows
 
     def _grpo_pool(self) -> list[int]:
-        """The train records GRPO draws queries from (`grpo.query_order`, `grpo.query_power`):
-        of a question with n train records, its first ceil(n ** p) in traffic order (p = 1: all
-        of them), the first one in question order."""
+        """The train records GRPO draws queries from (`grpo.query_order`, `grpo.query_power`,
+        `grpo.domain_repeats`): of a question with n train records, its first ceil(n ** p) in
+        traffic order (p = 1: all of them), the first one in question order; each kept record
+        as many times as its domain's repeat (1 when not named)."""
         source = self.sources["train"]
         g = self.config.grpo
-        if g.query_order == "traffic" and g.query_power == 1:
+        repeats = config_lib.domain_repeats(g.domain_repeats)
+        if g.query_order == "traffic" and g.query_power == 1 and not repeats:
             return list(range(len(source)))
+        examples = [suite.decode(source[i]) for i in range(len(source))]
         records = collections.defaultdict(list)
-        for i in range(len(source)):
-            records[suite.decode(source[i]).question_id].append(i)
+        for i, example in enumerate(examples):
+            records[example.question_id].append(i)
         p = g.query_power if g.query_order == "traffic" else 0.0
-        return sorted(i for rows in records.values() for i in rows[:math.ceil(len(rows) ** p)])
+        kept = sorted(i for rows in records.values() for i in rows[:math.ceil(len(rows) ** p)])
+        return [i for i in kept for _ in range(repeats.get(examples[i].domain, 1))]
 
     def train_records(self, k: int) -> list[int]:
         """GRPO step k's fresh queries as train record indices: a seeded permutation of the

@@ -102,6 +102,14 @@ def test_the_default_the_byte_default_and_real_checkpoint_configs_are_valid(tmp_
     ({"grpo__select_split": "test"},
      "config.grpo.select_split='test': not one of train, validation"),
     ({"grpo__memory_members": 0}, "config.grpo.memory_members=0: must be >= 1"),
+    ({"grpo__domain_repeats": "cooperation=0"},
+     "config.grpo.domain_repeats='cooperation=0': 'cooperation=0' is not 'domain=n' with a "
+     "whole n >= 1; write e.g. 'cooperation=2'"),
+    ({"grpo__domain_repeats": "cooperation"}, "'cooperation' is not 'domain=n'"),
+    ({"grpo__domain_repeats": "math=2,math=3"}, "domain 'math' is given twice"),
+    ({"grpo__domain_repeats": "chess=2"},
+     "config.grpo.domain_repeats='chess=2': assistant_suite has no domain 'chess'; its domains "
+     "are math, qa, efc, gfc, cooperation."),
     ({"grpo__memory_members": 3, "grpo__suffix_credit": True},
      "config.grpo.memory_members=3 with grpo.suffix_credit=True"),
     ({"grpo__greedy_completions": True, "grpo__tempered_loss": True},
@@ -145,6 +153,16 @@ def test_gsm8k_has_no_validation_split_to_select_on():
         "only); use grpo.select_split=train, or grpo.select_every=0."]
     c.grpo.select_every = 0  # nothing is scored, so no split is needed
     assert not config_checks.problems(c)
+
+
+def test_gsm8k_repeats_only_its_math_domain():
+    c = _with(agents=("master",), groups__all__agents=("master",), dataset="gsm8k",
+              gsm8k_dir="/x", eval__splits=("test",), grpo__domain_repeats="math=2")
+    assert not config_checks.problems(c)
+    c.grpo.domain_repeats = "cooperation=2"
+    assert config_checks.problems(c) == [
+        "config.grpo.domain_repeats='cooperation=2': gsm8k has no domain 'cooperation'; its "
+        "domains are math."]
 
 
 def test_branch_agents_must_list_an_agent_of_the_config():
@@ -216,6 +234,14 @@ def test_override_sets_dotted_keys_in_place():
     c = config_lib.get_config()
     out = config_lib.override(c, {"grpo.topk": 2, "groups.all.model": "small-30m", "seed": 3})
     assert out is c and (c.grpo.topk, c.groups.all.model, c.seed) == (2, "small-30m", 3)
+
+
+def test_domain_repeats_reads_domain_n_parts():
+    assert config_lib.domain_repeats("") == {}
+    assert config_lib.domain_repeats(" cooperation=2, math=3 ,") == {"cooperation": 2, "math": 3}
+    for bad in ("cooperation", "=2", "math=1.5", "math=-1", "math=0", "qa=2,qa=2"):
+        with pytest.raises(ValueError):
+            config_lib.domain_repeats(bad)
 
 
 def test_byte_default_is_the_default_of_sessions_57_to_63():

@@ -576,6 +576,27 @@ def test_query_power_keeps_the_first_ceil_n_to_the_power_records_of_each_questio
     assert all(source_index in want for source_index in half.train_records(0))
 
 
+def test_domain_repeats_ask_a_domains_records_n_times_as_often(data_dir, tmp_path):
+    """grpo.domain_repeats="cooperation=3": each cooperation train record stands three times in
+    GRPO's pool, the other domains' once; with query_power the repeats apply to the kept
+    records."""
+    make = lambda name, **extra: evaluate.experiment.Experiment(
+        _config(data_dir=data_dir, **extra), str(tmp_path / name))
+    exp = make("r", **{"grpo.domain_repeats": "cooperation=3"})
+    source = exp.sources["train"]
+    domain = [suite.decode(source[i]).domain for i in range(len(source))]
+    counts = collections.Counter(exp.grpo_pool)
+    assert sorted(counts) == list(range(len(source)))
+    assert {domain[i]: n for i, n in counts.items()} == {
+        d: 3 if d == "cooperation" else 1 for d in set(domain)}
+    assert len(set(domain)) > 1 and "cooperation" in domain
+    half = make("h", **{"grpo.query_power": 0.5}).grpo_pool
+    both = make("b", **{"grpo.query_power": 0.5, "grpo.domain_repeats": "cooperation=3"})
+    assert collections.Counter(both.grpo_pool) == {
+        i: 3 if domain[i] == "cooperation" else 1 for i in half}
+    assert all(i in counts for i in exp.train_records(0))
+
+
 def test_grpo_seed_draws_other_queries_after_the_same_sft_phase(data_dir, tmp_path):
     """grpo.seed = -1 is config.seed; another value changes GRPO's draws (queries, sampling
     key) and nothing of the SFT phase (initial agents, demonstrations, SFT batches)."""
