@@ -283,7 +283,11 @@ def get_config() -> ml_collections.ConfigDict:
     # domain_repeats: a comma list "domain=n" (e.g. "cooperation=2"): every train record of that
     # domain stands n times in GRPO's query pool (after query_order and query_power), so its
     # queries are asked n times as often; the domains are the dataset's (the assistant suite's
-    # math, qa, efc, gfc, cooperation; GSM8K's math). "": every record once.
+    # math, qa, efc, gfc, cooperation; GSM8K's math). "": every record once. With
+    # "cooperation=2" (34% of the pool instead of 21%) every mode answered more cooperation
+    # queries on the AMD EPYC's seeds 0-4, and the default's leads over trajectory and node-wise
+    # GRPO fell to +1.3 / +1.1 points from +1.2 / +1.6 (benchmarks/RESULTS.md, "Cooperation
+    # queries asked twice as often").
     # memory_members = k: with memory_branches, the memory's stored output counts as k members
     # of its node group (its reward k times in the group's mean and std, its row k times in
     # the loss), so at a node where the policy's samples contest a stored answer its pull
