@@ -300,6 +300,10 @@ def get_config() -> ml_collections.ConfigDict:
     # 0.672 on the AMD EPYC's seeds 0-4 against 0.679 (19 / 26 test queries won / lost;
     # benchmarks/RESULTS.md, "The memory's member counted three times"). No effect where
     # memory_branches has none.
+    # eps_low / eps_high: the ratio's clip range (0.28: DAPO's clip-higher). In the README
+    # run of seed 0 one of 220 agent-steps saw a ratio above 1.2 (efc, 1.35; 0.11% of its
+    # tokens clipped): at learning rate 3e-5 neither bound binds, so eps_high is inert here
+    # (benchmarks/RESULTS.md, "Where the clip binds").
     c.grpo = ml_collections.ConfigDict(dict(
         steps=44, queries=36, group_size=4, mode="nodewise", topk=0, select="groups",
         micro_batch=16, inner_steps=2, beta=0.04, eps_low=0.2, eps_high=0.28, kl="k3",
