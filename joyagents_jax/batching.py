@@ -125,6 +125,23 @@ def informative(samples: Sequence[rollout.Sample]) -> list[rollout.Sample]:
     return [s for s in samples if s.group in spread]
 
 
+def for_agent_selection(samples: Sequence[rollout.Sample]) -> list[rollout.Sample]:
+    """`informative`'s samples and the first sample of every other node group.
+
+    `select = agents` ranks agents by their mean group variance, so a group without a spread
+    still counts (variance 0) in its agent's mean; one member keeps that count (a one-member
+    group has variance 0 and zero advantage) and trains nothing, as the whole group would.
+    """
+    spread = {s.group for s in informative(samples)}
+    seen: set[int] = set()
+    out = []
+    for s in samples:
+        if s.group in spread or s.group not in seen:
+            out.append(s)
+        seen.add(s.group)
+    return out
+
+
 def grpo_batch(samples: Sequence[rollout.Sample], slots: AgentSlots,
                group_sizes: Mapping[str, int], offsets: Mapping[str, int], max_len: int,
                min_rows: int = 1, fixed_len: bool = False) -> grpo_step.GRPOBatch:

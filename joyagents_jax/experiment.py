@@ -530,33 +530,35 @@ class Experiment:
         return [task_of(suite.decode(self.sources["train"][pool[int(i)]])) for i in picks]
 
     def _filter(self, samples: list[rollout.Sample]):
-        """(fitting, finite, own, trained) samples, each a subset of the one before: see
+        """(fitting, finite, own, informative) samples, each a subset of the one before: see
         `_trainable`."""
         fits = [s for s in samples if len(s.prompt_ids) + len(s.output_ids) <= self.config.max_len]
         finite = [s for s in fits if math.isfinite(s.reward)]  # a bad reward trains nothing
         own = finite
         if self.config.grpo.memory_groups == "drop":  # episodes the policies alone produced
             own = [s for s in finite if not s.uses_memory]
-        trained = batching.informative(own) if self.config.grpo.select == "groups" else own
-        return fits, finite, own, trained
+        return fits, finite, own, batching.informative(own)
 
     def _trainable(self, samples: list[rollout.Sample], metrics: dict) -> list[rollout.Sample]:
         """The samples a GRPO step can learn from: fitting in max_len, a finite reward, not
-        touched by the memory (memory_groups="drop"), and (select="groups") in a node group
-        with a reward spread. Logs the rest."""
-        fits, finite, own, trained = self._filter(samples)
+        touched by the memory (memory_groups="drop"), and in a node group with a reward spread
+        (select="agents": one member of every other group too, for the agents' mean group
+        variance). Logs the rest."""
+        fits, finite, own, spread = self._filter(samples)
         for agent in self.config.agents:  # over all rollout samples, not only the trained ones
             rewards = [s.reward for s in finite if s.agent == agent]
             metrics[f"grpo/reward/{agent}"] = float(np.mean(rewards)) if rewards else 0.0
+        trained = spread if self.config.grpo.select == "groups" else (
+            batching.for_agent_selection(own))
         metrics.update({"grpo/trained_samples": len(trained),
                         "grpo/dropped_too_long": len(samples) - len(fits),
                         "grpo/nonfinite_rewards": len(fits) - len(finite),
                         "grpo/memory_dropped": len(finite) - len(own),
-                        "grpo/memory_member_groups": len({s.group for s in trained
+                        "grpo/memory_member_groups": len({s.group for s in spread
                                                           if s.from_memory}),
-                        "grpo/gold_member_groups": len({s.group for s in trained
+                        "grpo/gold_member_groups": len({s.group for s in spread
                                                         if s.from_gold}),
-                        "grpo/suffix_samples": sum(s.suffix for s in trained)})
+                        "grpo/suffix_samples": sum(s.suffix for s in spread)})
         return trained
 
     def _update(self, train: ts.TrainState, samples: list[rollout.Sample], metrics: dict

@@ -89,6 +89,12 @@ def test_informative_keeps_groups_with_a_reward_spread():
     assert len(kept) == 5 and [s.group for s in kept] == [7, 7, 5, 5, 5]  # order preserved
 
 
+def test_for_agent_selection_keeps_one_member_of_each_group_without_a_spread():
+    kept = batching.for_agent_selection(SAMPLES)
+    assert [s.group for s in kept] == [7, 3, 7, 5, 5, 9, 5]  # group 3's second member left out
+    assert kept[1] is SAMPLES[1] and kept[5] is SAMPLES[6]
+
+
 def _state():
     cfg = qwen2.Qwen2Config(vocab_size=16, hidden_size=16, intermediate_size=32, num_layers=1,
                             num_heads=2, num_kv_heads=1)
@@ -110,3 +116,25 @@ def test_dropping_uninformative_groups_changes_no_update(topk):
     assert int(full_m["kept_groups"]) == int(part_m["kept_groups"]) == (2 if topk is None else 1)
     for a, b in zip(jax.tree.leaves(full.groups), jax.tree.leaves(part.groups), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+
+def test_agent_selection_rows_change_no_update():
+    """select = agents ranks agents by mean group variance, groups without a spread counted:
+    qa's groups [0, 1] and [1, 1] average 0.125, under the master's [0, 1, 1, 1] (0.1875), so
+    K = 1 updates the master; dropping qa's flat group (`informative`) would pick qa."""
+    samples = [_sample("master", 1, r) for r in (0.0, 1.0, 1.0, 1.0)] + [
+        _sample("qa", 2, 0.0), _sample("qa", 2, 1.0), _sample("qa", 3, 1.0),
+        _sample("qa", 3, 1.0), _sample("math", 4, 0.0), _sample("math", 4, 0.0)]
+    step = grpo_step.make_grpo_step(grpo_step.GRPOStepConfig(topk=1, select="agents"))
+    batch = lambda rows: batching.grpo_batch(rows, SLOTS, SIZES, OFFSETS, 64, min_rows=8)
+    full, _ = step(_state(), batch(samples))
+    part, _ = step(_state(), batch(batching.for_agent_selection(samples)))
+    spread, _ = step(_state(), batch(batching.informative(samples)))
+    start = _state()
+    for a, b in zip(jax.tree.leaves(full.groups), jax.tree.leaves(part.groups), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+    moved = lambda s, g, i: not np.array_equal(
+        np.asarray(jax.tree.leaves(s.groups[g].params)[0][i]),
+        np.asarray(jax.tree.leaves(start.groups[g].params)[0][i]))
+    assert moved(part, "m", 0) and not moved(part, "subs", 0)  # the master, not qa
+    assert moved(spread, "subs", 0) and not moved(spread, "m", 0)

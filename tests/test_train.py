@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from joyagents_jax import checkpoint, evaluate, export, metrics, selection, train
+from joyagents_jax import batching, checkpoint, evaluate, export, metrics, selection, train
 from joyagents_jax import config as config_lib
 from joyagents_jax.data import assistant_suite as suite
 from joyagents_jax.rl import rollout
@@ -402,6 +402,22 @@ def test_dynamic_sampling_refills_with_fresh_queries_and_keeps_the_first_rollout
     assert merged.counters.generated_tokens > plain.counters.generated_tokens
 
 
+def test_dynamic_sampling_under_agent_selection_counts_the_groups_with_a_reward_spread(
+        data_dir, tmp_path):
+    """grpo.select=agents trains one member of every flat node group too, but refills while
+    fewer than min_groups groups have a reward spread, as under select=groups."""
+    def rollout_of(min_groups):
+        exp = evaluate.experiment.Experiment(
+            _config(data_dir=data_dir, **{"grpo.select": "agents", "grpo.min_groups": min_groups,
+                                          "grpo.max_refills": 1}), str(tmp_path / str(min_groups)))
+        return exp._rollout(exp.start_grpo(exp.init_run()), 0, exp.train_tasks(0))
+
+    plain, _ = rollout_of(0)
+    groups = {s.group for s in plain.samples}
+    assert len({s.group for s in batching.informative(plain.samples)}) < len(groups)
+    assert rollout_of(len(groups))[1] == 1
+
+
 def test_replay_reasks_the_queries_with_a_reward_spread_and_checkpoints_them(data_dir, tmp_path):
     """grpo.replay=R: the next step starts with the step's queries that had a node group with a
     reward spread (the first R in rollout order; a refill's queries are not among them), then
@@ -680,12 +696,15 @@ def test_train_tasks_carry_their_gold_outputs(data_dir, tmp_path):
         assert float(parts.memory_reward) == pytest.approx(1.0 + exp.config.grpo.w_format)
 
 
+@pytest.mark.parametrize("select", ["groups", "agents"])
 def test_trainable_counts_informative_groups_that_hold_a_memory_or_gold_output(data_dir,
-                                                                              tmp_path):
+                                                                              tmp_path, select):
     """grpo/memory_member_groups and grpo/gold_member_groups: node groups with a reward spread
     whose members include the memory's stored output (grpo.memory_branches) or the gold one
-    (grpo.gold_branches); a group that agrees trains nothing."""
-    exp = evaluate.experiment.Experiment(_config(data_dir=data_dir), str(tmp_path / "m"))
+    (grpo.gold_branches); a group that agrees trains nothing (select=agents: its first member
+    still counts in the agent's mean group variance)."""
+    exp = evaluate.experiment.Experiment(_config(data_dir=data_dir, **{"grpo.select": select}),
+                                         str(tmp_path / "m"))
 
     def sample(group, reward, source=""):
         return rollout.Sample("math", [1, 2], np.array([3], np.int32), np.zeros(1, np.float32),
@@ -696,7 +715,8 @@ def test_trainable_counts_informative_groups_that_hold_a_memory_or_gold_output(d
                sample(3, 1.0, "gold"), sample(4, 1.0), sample(4, 1.0, "gold")]
     metrics = {}
     trained = exp._trainable(samples, metrics)
-    assert {s.group for s in trained} == {0, 2, 3}
+    flat = [1, 4] if select == "agents" else []
+    assert sorted(s.group for s in trained) == sorted([0, 0, 2, 2, 3, 3] + flat)
     assert metrics["grpo/memory_member_groups"] == 1 and metrics["grpo/gold_member_groups"] == 1
 
 
