@@ -128,6 +128,9 @@ def get_config() -> ml_collections.ConfigDict:
     # JoyAgents-R1: node-wise sampling at every agent's nodes (branch_agents=""; at the
     # memory's nodes too: memory_branches), every node group with a reward spread (topk=0; K > 0
     # keeps the top K by reward variance), 36 queries per step, learning rate 3e-5, 44 steps.
+    # select="agents": the groups of the K agents with the largest mean group variance; K = 3
+    # ended the policies alone at 0.673 on the AMD EPYC's seeds 0-4 against 0.679 (30 / 36
+    # test queries; benchmarks/RESULTS.md, "The top K agents instead of node groups").
     # With 12 queries and K=5 a step trained 3-4 node groups, and the policies alone ended
     # +2.0 / -0.5 / +2.0 test points over SFT on 3 seeds (0.650 with the memory); with 36
     # queries and every informative group (0-39 per step) +2.5 / +8.0 /
