@@ -361,6 +361,33 @@ def paired_table(by_variant: dict[str, list[dict]], qid: list[str] | None = None
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
+def against_table(by_variant: dict[str, list[dict]], reference: dict[str, list[dict]],
+                  baselines=PAIRED_BASELINES) -> str:
+    """Markdown: each GRPO variant's runs here against the reference root's runs of the same
+    variant and of the baselines, on the seeds both hold (one device), policies alone: a
+    screen's `--set` runs against the study they change. "" when nothing pairs up."""
+    head = ["variant", "against (reference)", "seeds", "alone here / there",
+            "queries won / lost", "net points per seed", "sign test p"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name in VARIANTS:
+        if name not in by_variant or is_sft(name):
+            continue
+        for base in dict.fromkeys((name, *baselines)):
+            got = paired(by_variant[name], reference.get(base, []))
+            if not got:
+                continue
+            seeds, won, lost = got
+            there = {run_key(r): r["test_acc_no_memory"] for r in reference[base]}
+            pairs = [(r["test_acc_no_memory"], there[run_key(r)]) for r in by_variant[name]
+                     if r["seed"] in seeds and run_key(r) in there]
+            here_acc, there_acc = np.mean(pairs, axis=0)
+            lines.append("| " + " | ".join([
+                name, base, ",".join(map(str, seeds)), f"{here_acc:.3f} / {there_acc:.3f}",
+                f"{won} / {lost}", f"{100 * (won - lost) / SPLITS['test'] / len(seeds):+.1f}",
+                f"{sign_test_p(won, lost):.3f}"]) + " |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def question_spread(answers: np.ndarray, qid: list[str]) -> tuple[float, float]:
     """answers: [S, N] each seed's 0/1 answer to the N `test` queries. Returns the sd (ddof 1)
     of the seeds' accuracies, and the sd that per-question variation alone would give: each
@@ -533,14 +560,27 @@ def popularity_table(runs: list[dict], qid: list[str], train: collections.Counte
     return "\n".join(lines)
 
 
-def report(root: str, out_md: str, out_png: str) -> str:
-    runs = [json.load(open(os.path.join(root, f))) for f in sorted(os.listdir(root))
+def cached_runs(root: str) -> list[dict]:
+    """The runs cached in `root` (its result_<variant>_s<seed>.json files)."""
+    return [json.load(open(os.path.join(root, f))) for f in sorted(os.listdir(root))
             if f.startswith("result_") and f.endswith(".json")]
+
+
+def by_variant_of(runs: list[dict]) -> dict[str, list[dict]]:
+    """{variant: its runs}, in the order given."""
+    out: dict[str, list[dict]] = {}
+    for r in runs:
+        out.setdefault(r["variant"], []).append(r)
+    return out
+
+
+def report(root: str, out_md: str, out_png: str, against: str | None = None) -> str:
+    """The study's tables (markdown, also returned), its records (.json) and plot (.png); with
+    `against` a reference root, each variant here against that root's runs too."""
+    runs = cached_runs(root)
     with open(out_md.removesuffix(".md") + ".json", "w") as f:
         json.dump(records(runs), f, indent=1)
-    by_variant: dict[str, list[dict]] = {}
-    for r in runs:
-        by_variant.setdefault(r["variant"], []).append(r)
+    by_variant = by_variant_of(runs)
     unknown = sorted(set(by_variant) - set(VARIANTS))
     if unknown:  # results of another version of this script in the same root
         print(f"# left out of the table and plot (not variants of this script): {unknown}")
@@ -583,6 +623,10 @@ def report(root: str, out_md: str, out_png: str) -> str:
     if pairs:
         table += ("\n\nEach run against the baselines on the same seeds, query by query and "
                   "question by question:\n\n" + pairs)
+    versus = against_table(by_variant, by_variant_of(cached_runs(against))) if against else ""
+    if versus:
+        table += (f"\n\nEach run against the runs in {against} on the same seeds, query by "
+                  "query:\n\n" + versus)
     spreads = spread_table(by_variant, qid) if qid else ""
     if spreads:
         table += ("\n\nThe seed spread of the policies alone (points) against what the test "
@@ -684,6 +728,9 @@ def main() -> None:
     p.add_argument("--eval_every", type=int, default=0,
                    help="evaluate test without the memory every N GRPO steps (0: at the end)")
     p.add_argument("--report", action="store_true", help="only aggregate the cached runs")
+    p.add_argument("--against", default=None, metavar="ROOT",
+                   help="also compare each variant with the same variant and the baselines "
+                        "cached in ROOT, seed by seed (a screen's --set runs against the study)")
     p.add_argument("--out", default=None, help="report path without extension (default: "
                    "<root>/study; benchmarks/learning_study is the recorded study)")
     a = p.parse_args()
@@ -709,7 +756,7 @@ def main() -> None:
                     json.dump(result, f, indent=1)
                 print(name, seed, {k: round(v, 3) for k, v in result["eval"].items()
                                    if k.endswith("accuracy") or "llm_calls" in k}, flush=True)
-    print(report(a.root, out + ".md", out + ".png"))
+    print(report(a.root, out + ".md", out + ".png", a.against))
 
 
 if __name__ == "__main__":

@@ -85,6 +85,21 @@ def test_paired_table_rows_name_variant_baseline_and_net_points():
     assert ls.paired_table({"default": by_variant["default"]}) == ""
 
 
+def test_against_table_compares_each_variant_with_the_reference_roots_runs():
+    def run(seed, xs, device="cpu"):
+        answers = xs + [0] * (200 - len(xs))
+        return {"seed": seed, "device": device, "test_answers_no_memory": answers,
+                "test_acc_no_memory": sum(answers) / 200}
+    screen = {"default": [run(0, [1] * 10), run(1, [1] * 4)], "sft_only": [run(0, [])]}
+    reference = {"default": [run(0, [1] * 6), run(1, [0] * 4 + [1] * 2, "gpu")],
+                 "trajectory_replay": [run(0, [0] * 10), run(1, [1] * 2)]}
+    rows = ls.against_table(screen, reference).splitlines()[2:]
+    # Seed 1's reference default ran on another device: only seed 0 pairs with it.
+    assert rows == ["| default | default | 0 | 0.050 / 0.030 | 4 / 0 | +2.0 | 0.125 |",
+                    "| default | trajectory_replay | 0,1 | 0.035 / 0.005 | 12 / 0 | +3.0 | 0.000 |"]
+    assert ls.against_table(screen, {"nodewise_all": [run(5, [])]}) == ""
+
+
 def test_domain_table_gives_accuracy_alone_and_wins_per_domain():
     run = lambda seed, xs, device="cpu": {"seed": seed, "device": device,
                                           "test_answers_no_memory": xs}
