@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import ast
 import collections
+import glob
 import json
 import math
 import os
@@ -734,6 +735,9 @@ def main() -> None:
     p.add_argument("--out", default=None, help="report path without extension (default: "
                    "<root>/study; benchmarks/learning_study is the recorded study)")
     a = p.parse_args()
+    if a.against and not glob.glob(os.path.join(a.against, "result_*.json")):
+        raise SystemExit(f"--against {a.against}: no result_<variant>_s<seed>.json there; give "
+                         f"the --root of an earlier study.")
     os.makedirs(a.root, exist_ok=True)
     extra = parse_overrides(a.set)
     names = a.variants.split(",")

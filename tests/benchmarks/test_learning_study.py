@@ -2,6 +2,8 @@
 
 import importlib.util
 import pathlib
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -98,6 +100,14 @@ def test_against_table_compares_each_variant_with_the_reference_roots_runs():
     assert rows == ["| default | default | 0 | 0.050 / 0.030 | 4 / 0 | +2.0 | 0.125 |",
                     "| default | trajectory_replay | 0,1 | 0.035 / 0.005 | 12 / 0 | +3.0 | 0.000 |"]
     assert ls.against_table(screen, {"nodewise_all": [run(5, [])]}) == ""
+
+
+def test_against_a_folder_without_runs_is_refused_by_name(tmp_path):
+    got = subprocess.run([sys.executable, str(_PATH), "--root", str(tmp_path / "screen"),
+                          "--report", "--against", str(tmp_path / "typo")],
+                         capture_output=True, text=True)
+    assert got.returncode == 1
+    assert f"--against {tmp_path / 'typo'}: no result_<variant>_s<seed>.json there" in got.stderr
 
 
 def test_domain_table_gives_accuracy_alone_and_wins_per_domain():
