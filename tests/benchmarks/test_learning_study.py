@@ -108,6 +108,7 @@ def test_against_a_folder_without_runs_is_refused_by_name(tmp_path):
                          capture_output=True, text=True)
     assert got.returncode == 1
     assert f"--against {tmp_path / 'typo'}: no result_<variant>_s<seed>.json there" in got.stderr
+    assert not (tmp_path / "screen").exists()
 
 
 def test_domain_table_gives_accuracy_alone_and_wins_per_domain():
