@@ -2,10 +2,11 @@
 # Runs N local processes on 127.0.0.1 as one multi-host JAX job on the CPU: the same
 # multi-controller code path as a TPU pod or a SLURM cluster, on a laptop (tests use it).
 #
-# usage: launch/multiprocess_cpu.sh [-n PROCESSES] [-d DEVICES] [-p PORT] [--] SUBCOMMAND [ARGS...]
+# usage: launch/multiprocess_cpu.sh [-n PROCESSES] [-d DEVICES] [-p PORT] [-g GRACE] [--] SUBCOMMAND [ARGS...]
 #   -n PROCESSES  processes to start (default 2)
 #   -d DEVICES    fake CPU devices per process (default 2); the job has PROCESSES x DEVICES
 #   -p PORT       coordinator port on 127.0.0.1 (default: a free port)
+#   -g GRACE      seconds the others get after a process fails, then SIGKILL (default 10)
 #   SUBCOMMAND ARGS...  run by every process through the entry point $ENTRY
 # environment:
 #   PYTHON  the interpreter (default: python)
@@ -13,21 +14,26 @@
 #           `joyagents`); e.g. `check-cluster` runs the cluster check
 # Each process gets JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID, JAX_PLATFORMS=cpu
 # and XLA_FLAGS with the device count; its output lines are prefixed [pI]. If any process fails,
-# the others are stopped and the script exits with that status.
+# the others get SIGTERM, SIGKILL GRACE seconds later, and the script exits with that status:
+# `joyagents train` answers SIGTERM by saving at the end of its step, which a dead peer keeps
+# from ever coming (its collectives wait for JAX's 100 s heartbeat timeout), and the rerun
+# resumes from the last complete checkpoint anyway (orbax commits a checkpoint atomically).
 # example: launch/multiprocess_cpu.sh -n 2 -d 4 check-cluster
 set -euo pipefail
 
-procs=2 devices=2 port=""
-while getopts "n:d:p:h" opt; do
+procs=2 devices=2 port="" grace=10
+while getopts "n:d:p:g:h" opt; do
   case $opt in
     n) procs=$OPTARG ;;
     d) devices=$OPTARG ;;
     p) port=$OPTARG ;;
+    g) grace=$OPTARG ;;
     h) sed -n '2,/^[^#]/{/^#/p}' "$0"; exit 0 ;;
     *) exit 2 ;;
   esac
 done
 shift $((OPTIND - 1))
+[[ $grace =~ ^[0-9]+$ ]] || { echo "multiprocess_cpu.sh: -g GRACE takes whole seconds, got '$grace'" >&2; exit 2; }
 [[ ${1:-} == "--" ]] && shift
 
 PYTHON=${PYTHON:-python}
@@ -37,8 +43,8 @@ if [[ -z $port ]]; then
 fi
 
 pids=()
-stop_all() {
-  for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
+stop_all() {  # stop_all [SIGNAL]: signal every process still running (default TERM)
+  for pid in "${pids[@]}"; do [[ -z $pid ]] || kill "-${1:-TERM}" "$pid" 2>/dev/null || true; done
 }
 trap stop_all EXIT
 trap 'stop_all; exit 130' INT TERM
@@ -52,10 +58,14 @@ for ((i = 0; i < procs; i++)); do
   pids+=($!)
 done
 
-# Wait for all; on the first failure stop the rest (a dead peer would hang them until timeout).
-status=0
+# Wait for all; on the first failure stop the rest, and kill those still running GRACE s later.
+status=0 kill_at=""
 remaining=${#pids[@]}
 while ((remaining > 0)); do
+  if [[ -n $kill_at ]] && ((SECONDS >= kill_at)); then
+    echo "multiprocess_cpu.sh: $remaining process(es) still running ${grace} s after SIGTERM; sending SIGKILL" >&2
+    stop_all KILL; kill_at=""
+  fi
   for j in "${!pids[@]}"; do
     pid=${pids[$j]}
     [[ -z $pid ]] || kill -0 "$pid" 2>/dev/null && continue
@@ -64,7 +74,7 @@ while ((remaining > 0)); do
     if ((rc != 0 && status == 0)); then
       status=$rc
       echo "multiprocess_cpu.sh: process $j exited with status $rc; stopping the others" >&2
-      stop_all
+      stop_all; kill_at=$((SECONDS + grace))
     fi
   done
   sleep 0.2

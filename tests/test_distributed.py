@@ -165,6 +165,26 @@ def test_launch_script_stops_everyone_when_one_fails(tmp_path):
     proc = _run_group(["bash", "launch/multiprocess_cpu.sh", "-n", "3"], env, 60)
     assert proc.returncode == 3
     assert "process 1 exited with status 3; stopping the others" in proc.stdout
+    assert "SIGKILL" not in proc.stdout  # they left on SIGTERM
+
+
+def test_launch_script_kills_the_others_a_grace_period_after_one_fails(tmp_path):
+    # Processes stuck past SIGTERM (as `joyagents train` waits in a collective with a dead peer).
+    script = tmp_path / "fail_one_ignore_term.py"
+    script.write_text("import os, signal, sys, time\n"
+                      "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                      "sys.exit(3) if os.environ['JAX_PROCESS_ID'] == '1' else time.sleep(120)\n")
+    env = {**os.environ, "PYTHON": sys.executable, "ENTRY": f"{sys.executable} {script}"}
+    proc = _run_group(["bash", "launch/multiprocess_cpu.sh", "-n", "3", "-g", "1"], env, 60)
+    assert proc.returncode == 3
+    assert "2 process(es) still running 1 s after SIGTERM; sending SIGKILL" in proc.stdout
+
+
+def test_launch_script_refuses_a_grace_that_is_not_whole_seconds():
+    proc = _run_group(["bash", "launch/multiprocess_cpu.sh", "-g", "2.5", "check-cluster"],
+                      {**os.environ, "PYTHON": sys.executable}, 60)
+    assert proc.returncode == 2
+    assert "-g GRACE takes whole seconds, got '2.5'" in proc.stdout
 
 
 def _fake_tools(tmp_path, *names: str) -> dict:

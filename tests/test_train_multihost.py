@@ -28,7 +28,10 @@ OVERRIDES = {"mesh": "data=2,fsdp=-1", "sft.steps": 2, "sft.batch_per_agent": 8,
              "limits.max_tokens_per_node": 16, "eval.examples": 2, "eval.grpo_every": 0,
              "checkpoint.every": 1}
 STEPS = 4
-HANG_TIMEOUT_S = 180  # the job must end this soon after a process dies (the launcher's promise)
+# The job must end this soon after a process dies: the launcher's SIGTERM, then its SIGKILL 10 s
+# later (a survivor waits in a collective with the dead peer; JAX's own heartbeat timeout would
+# end it only after 100 s).
+HANG_TIMEOUT_S = 60
 
 
 def _args(workdir, data_dir):
