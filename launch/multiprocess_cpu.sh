@@ -18,6 +18,9 @@
 # `joyagents train` answers SIGTERM by saving at the end of its step, which a dead peer keeps
 # from ever coming (its collectives wait for JAX's 100 s heartbeat timeout), and the rerun
 # resumes from the last complete checkpoint anyway (orbax commits a checkpoint atomically).
+# Ctrl-C (SIGINT) or SIGTERM to this script gives every process one SIGTERM and waits while they
+# save and leave (exit 130 / 143); a second one kills them. Each process runs in its own process
+# group, so a terminal's Ctrl-C reaches them only through this script, once.
 # example: launch/multiprocess_cpu.sh -n 2 -d 4 check-cluster
 set -euo pipefail
 
@@ -46,9 +49,22 @@ pids=()
 stop_all() {  # stop_all [SIGNAL]: signal every process still running (default TERM)
   for pid in "${pids[@]}"; do [[ -z $pid ]] || kill "-${1:-TERM}" "$pid" 2>/dev/null || true; done
 }
+interrupted=""
+interrupt() {  # interrupt STATUS: the first INT/TERM asks every process to save and leave
+  if [[ -n $interrupted ]]; then
+    echo "multiprocess_cpu.sh: interrupted again; sending SIGKILL" >&2
+    stop_all KILL
+  else
+    interrupted=$1
+    echo "multiprocess_cpu.sh: interrupted; each process saves at the end of its step (interrupt again to kill)" >&2
+    stop_all TERM
+  fi
+}
 trap stop_all EXIT
-trap 'stop_all; exit 130' INT TERM
+trap 'interrupt 130' INT
+trap 'interrupt 143' TERM
 
+set -m  # each process (and its output prefixer) in its own process group
 for ((i = 0; i < procs; i++)); do
   (
     export JAX_COORDINATOR_ADDRESS="127.0.0.1:$port" JAX_NUM_PROCESSES=$procs JAX_PROCESS_ID=$i
@@ -57,6 +73,7 @@ for ((i = 0; i < procs; i++)); do
   ) > >(while IFS= read -r line; do printf '[p%d] %s\n' "$i" "$line"; done) 2>&1 &
   pids+=($!)
 done
+set +m
 
 # Wait for all; on the first failure stop the rest, and kill those still running GRACE s later.
 status=0 kill_at=""
@@ -77,7 +94,8 @@ while ((remaining > 0)); do
       stop_all; kill_at=$((SECONDS + grace))
     fi
   done
-  sleep 0.2
+  sleep 0.2 || true  # a Ctrl-C ends the sleep; the trap above has handled it
 done
 wait  # let the output prefixers drain
+((status != 0)) || [[ -z $interrupted ]] || status=$interrupted
 exit "$status"

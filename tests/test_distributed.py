@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -111,18 +112,29 @@ def test_global_batch_on_8_devices():
 
 
 def start_group(cmd: list[str], env: dict) -> subprocess.Popen:
-    """Starts `cmd` at the repo root in its own process group, stdout and stderr together."""
+    """Starts `cmd` at the repo root in a session of its own, stdout and stderr together."""
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def _kill_session(sid: int) -> None:
+    """SIGKILL to every process of session `sid`: the launcher puts each of its processes in a
+    process group of its own."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.getsid(int(pid)) == sid:
+                os.kill(int(pid), signal.SIGKILL)
+        except OSError:
+            continue
+
+
 def finish_group(proc: subprocess.Popen, timeout: float) -> str:
-    """Its output once it ends; on timeout the whole group is killed and the test fails. Decoded
+    """Its output once it ends; on timeout its whole session is killed and the test fails. Decoded
     by hand: text mode would split a progress bar's \r redraws into lines."""
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        _kill_session(proc.pid)
         out, _ = proc.communicate()
         pytest.fail(f"{' '.join(proc.args)} did not finish in {timeout} s; output:\n"
                     f"{out.decode(errors='replace')[-6000:]}")
@@ -185,6 +197,59 @@ def test_launch_script_refuses_a_grace_that_is_not_whole_seconds():
                       {**os.environ, "PYTHON": sys.executable}, 60)
     assert proc.returncode == 2
     assert "-g GRACE takes whole seconds, got '2.5'" in proc.stdout
+
+
+# A process that handles SIGINT/SIGTERM as `joyagents train` does (preemption.Guard): the first
+# signal makes it save and leave, a second one ends it at once.
+GUARDED = """import os, signal, sys, time
+got = []
+def handle(signum, frame):
+    if got:
+        print("killed by a second signal", flush=True)
+        os._exit(9)
+    got.append(signum)
+signal.signal(signal.SIGTERM, handle)
+signal.signal(signal.SIGINT, handle)
+print("ready", flush=True)
+while not got:
+    time.sleep(0.05)
+print("saving after", signal.Signals(got[0]).name, flush=True)
+time.sleep(float(sys.argv[1]))
+print("saved", flush=True)
+"""
+
+
+def _start_guarded(tmp_path, save_s: float) -> subprocess.Popen:
+    script = tmp_path / "guarded.py"
+    script.write_text(GUARDED)
+    env = {**os.environ, "PYTHON": sys.executable, "ENTRY": f"{sys.executable} {script}"}
+    proc = start_group(["bash", "launch/multiprocess_cpu.sh", "-n", "2", str(save_s)], env)
+    out = b""
+    while out.count(b"ready") < 2:  # both processes have their handlers
+        chunk = proc.stdout.read1(4096)
+        assert chunk, f"the job ended before both processes were ready:\n{out.decode()}"
+        out += chunk
+    return proc
+
+
+def test_ctrl_c_lets_every_process_save_once_and_leave(tmp_path):
+    proc = _start_guarded(tmp_path, save_s=1.0)
+    os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: the launcher's process group
+    out = finish_group(proc, 60)
+    assert proc.returncode == 130, out
+    for i in range(2):
+        assert f"[p{i}] saving after SIGTERM" in out and f"[p{i}] saved" in out, out
+    assert "second signal" not in out
+
+
+def test_a_second_ctrl_c_kills_the_processes(tmp_path):
+    proc = _start_guarded(tmp_path, save_s=120.0)
+    os.killpg(proc.pid, signal.SIGINT)
+    time.sleep(1.0)  # the first interrupt has reached them (the launcher polls every 0.2 s)
+    os.killpg(proc.pid, signal.SIGINT)
+    out = finish_group(proc, 60)
+    assert "interrupted again; sending SIGKILL" in out
+    assert "[p0] saved" not in out and "[p1] saved" not in out
 
 
 def _fake_tools(tmp_path, *names: str) -> dict:
