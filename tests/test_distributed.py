@@ -8,7 +8,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 
 import jax
 import numpy as np
@@ -219,23 +218,30 @@ print("saved", flush=True)
 """
 
 
-def _start_guarded(tmp_path, save_s: float) -> subprocess.Popen:
+def _read_until(proc: subprocess.Popen, marker: bytes, count: int, out: bytes = b"") -> bytes:
+    """`out` and what `proc` prints next, up to the point where `marker` has appeared `count`
+    times."""
+    while out.count(marker) < count:
+        chunk = proc.stdout.read1(4096)
+        assert chunk, f"the job ended before {marker!r} appeared {count} times:\n{out.decode()}"
+        out += chunk
+    return out
+
+
+def _start_guarded(tmp_path, save_s: float) -> tuple[subprocess.Popen, bytes]:
+    """Two GUARDED processes under the launcher, once both have their handlers; what they
+    printed so far."""
     script = tmp_path / "guarded.py"
     script.write_text(GUARDED)
     env = {**os.environ, "PYTHON": sys.executable, "ENTRY": f"{sys.executable} {script}"}
     proc = start_group(["bash", "launch/multiprocess_cpu.sh", "-n", "2", str(save_s)], env)
-    out = b""
-    while out.count(b"ready") < 2:  # both processes have their handlers
-        chunk = proc.stdout.read1(4096)
-        assert chunk, f"the job ended before both processes were ready:\n{out.decode()}"
-        out += chunk
-    return proc
+    return proc, _read_until(proc, b"ready", 2)
 
 
 def test_ctrl_c_lets_every_process_save_once_and_leave(tmp_path):
-    proc = _start_guarded(tmp_path, save_s=1.0)
+    proc, seen = _start_guarded(tmp_path, save_s=1.0)
     os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: the launcher's process group
-    out = finish_group(proc, 60)
+    out = seen.decode() + finish_group(proc, 60)
     assert proc.returncode == 130, out
     for i in range(2):
         assert f"[p{i}] saving after SIGTERM" in out and f"[p{i}] saved" in out, out
@@ -243,11 +249,11 @@ def test_ctrl_c_lets_every_process_save_once_and_leave(tmp_path):
 
 
 def test_a_second_ctrl_c_kills_the_processes(tmp_path):
-    proc = _start_guarded(tmp_path, save_s=120.0)
+    proc, seen = _start_guarded(tmp_path, save_s=120.0)
     os.killpg(proc.pid, signal.SIGINT)
-    time.sleep(1.0)  # the first interrupt has reached them (the launcher polls every 0.2 s)
+    seen = _read_until(proc, b"saving after SIGTERM", 2, seen)  # the first reached both
     os.killpg(proc.pid, signal.SIGINT)
-    out = finish_group(proc, 60)
+    out = seen.decode() + finish_group(proc, 60)
     assert "interrupted again; sending SIGKILL" in out
     assert "[p0] saved" not in out and "[p1] saved" not in out
 
