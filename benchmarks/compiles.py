@@ -94,7 +94,7 @@ def measure(root: str, seed: int, steps: int, cache: str, overrides: list[str]) 
     config = learning_study.config_for(seed, {"data_dir": data_dir,
                                               **learning_study.parse_overrides(overrides)})
     exp = experiment.Experiment(config, os.path.join(root, f"compiles_s{seed}"))
-    with checkpoint.Checkpointer(os.path.join(sft_dir, "checkpoints"), keep=10) as ckpt:
+    with checkpoint.Checkpointer(os.path.join(sft_dir, "checkpoints"), read_only=True) as ckpt:
         run = train.restore(exp, ckpt)
     log = CompileLog()
     logger = logging.getLogger("jax")

@@ -231,7 +231,7 @@ def run_variant(root: str, seed: int, name: str, tokens: int, max_steps: int,
     sft_dir = sft_checkpoint(root, seed, data_dir, overrides, tag)
     c = config_for(seed, {**overrides, "data_dir": data_dir})
     exp = experiment.Experiment(c, os.path.join(root, f"{name}_s{seed}"))
-    with checkpoint.Checkpointer(os.path.join(sft_dir, "checkpoints"), keep=10) as ckpt:
+    with checkpoint.Checkpointer(os.path.join(sft_dir, "checkpoints"), read_only=True) as ckpt:
         run = train.restore(exp, ckpt)
     if (int(run.step), run.phase) != (c.sft.steps, "sft"):
         raise RuntimeError(f"{sft_dir} holds step {int(run.step)} ({run.phase}), not the end "

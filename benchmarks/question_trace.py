@@ -120,7 +120,7 @@ def trace(root: str, seed: int, questions: list[str], variant: str, extra: dict,
     tag = variant if ls.sft_overrides(ls.VARIANTS[variant][1]) else ""
     sft_dir = ls.sft_checkpoint(root, seed, data_dir, overrides, tag)
     exp = TracedExperiment(c, os.path.join(root, f"trace_{variant}_s{seed}"))
-    with checkpoint.Checkpointer(os.path.join(sft_dir, "checkpoints"), keep=10) as ckpt:
+    with checkpoint.Checkpointer(os.path.join(sft_dir, "checkpoints"), read_only=True) as ckpt:
         run = train.restore(exp, ckpt)
     source = exp.sources["train"]
     of_query = {e.query: e.question_id for e in (suite.decode(source[i])

@@ -53,7 +53,7 @@ def record(root: str, seed: int, variant: str, every: int, sizes: list[int]) -> 
     tag = variant if ls.sft_overrides(overrides) else ""
     sft_dir = ls.sft_checkpoint(root, seed, data_dir, overrides, tag)
     exp = experiment.Experiment(c, os.path.join(root, f"rules_{variant}_s{seed}"))
-    with checkpoint.Checkpointer(os.path.join(sft_dir, "checkpoints"), keep=10) as ckpt:
+    with checkpoint.Checkpointer(os.path.join(sft_dir, "checkpoints"), read_only=True) as ckpt:
         run = train.restore(exp, ckpt)
     source = exp.sources["train"]
     rows = sorted(set().union(*(selection.slice_rows(len(source), n) for n in sizes)))

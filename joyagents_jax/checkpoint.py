@@ -49,7 +49,7 @@ import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import jax
 import numpy as np
@@ -174,6 +174,20 @@ def _cleaned(manager: ocp.CheckpointManager) -> ocp.CheckpointManager:
     return manager
 
 
+@contextlib.contextmanager
+def _without_read_only_notice() -> Iterator[None]:
+    """Drops orbax's warning that a read-only manager's directory is read only: we asked."""
+    def notice(record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Given directory is read only")
+
+    absl_log = logging.getLogger("absl")
+    absl_log.addFilter(notice)
+    try:
+        yield
+    finally:
+        absl_log.removeFilter(notice)
+
+
 class Checkpointer:
     """Saves and restores steps of a run in `directory`; every process calls every method.
 
@@ -181,16 +195,20 @@ class Checkpointer:
     `metadata[best_metric]` is highest (that value must be this step's validation metric; steps
     without it compete only for recency). With `async_save`, `save` returns once the arrays are
     copied off the device and the files are written in the background; `wait` blocks until done.
+
+    With `read_only` (`joyagents eval`/`export`, beside a run that may still be training) nothing
+    on disk changes: no removal of unfinished saves (a live run's save in progress), no deletion
+    by the keep policy, an unreadable step is skipped rather than renamed, and `save` raises.
     """
 
     def __init__(self, directory: str | Path, *, keep: int = 3, best_metric: str | None = None,
-                 async_save: bool = True):
+                 async_save: bool = True, read_only: bool = False):
         if keep < 1:
             raise ValueError(f"Checkpointer: keep={keep} must be >= 1 (the latest step is the "
                              f"one a restart resumes from).")
         self.directory = Path(directory).absolute()
         self.best_metric = best_metric
-        self._keep, self._async = keep, async_save
+        self._keep, self._async, self.read_only = keep, async_save, read_only
         self._manager = self._open()
 
     def _options(self, lightweight: bool = False) -> ocp.CheckpointManagerOptions:
@@ -201,6 +219,10 @@ class Checkpointer:
             best_fn = lambda metrics: metrics.get(self.best_metric, float("-inf"))  # noqa: E731
             keep.append(policies.BestN(get_metric_fn=best_fn, n=1,
                                        keep_checkpoints_without_metrics=False))
+        if self.read_only:
+            return ocp.CheckpointManagerOptions(
+                read_only=True, save_interval_steps=0, create=False, best_fn=best_fn,
+                best_mode="max", lightweight_initialize=lightweight)
         return ocp.CheckpointManagerOptions(
             preservation_policy=policies.AnyPreservationPolicy(keep), best_fn=best_fn,
             best_mode="max", enable_async_checkpointing=self._async,
@@ -209,11 +231,11 @@ class Checkpointer:
     def _open(self) -> ocp.CheckpointManager:
         """The manager; steps whose metadata can't be read are set aside with a warning."""
         try:
-            return _cleaned(ocp.CheckpointManager(self.directory, options=self._options()))
+            return self._manager_of(self._options())
         except Exception as e:  # noqa: BLE001 - some step's metadata files are unreadable
             logging.warning("Checkpoints in %s: unreadable step metadata (%s); checking each step.",
                             self.directory, e)
-        manager = ocp.CheckpointManager(self.directory, options=self._options(lightweight=True))
+        manager = self._manager_of(self._options(lightweight=True))
         for step in manager.all_steps():
             try:
                 manager.item_metadata(step)
@@ -221,10 +243,20 @@ class Checkpointer:
             except Exception as e:  # noqa: BLE001
                 self._set_aside(step, e)
         manager.reload()
-        return _cleaned(manager)
+        return manager
+
+    def _manager_of(self, options: ocp.CheckpointManagerOptions) -> ocp.CheckpointManager:
+        with _without_read_only_notice():
+            return _cleaned(ocp.CheckpointManager(self.directory, options=options))
 
     def _set_aside(self, step: int, error: Exception) -> None:
-        """Renames an unreadable step to `<step>.corrupt-<time>`: hidden, but not deleted."""
+        """Renames an unreadable step to `<step>.corrupt-<time>`: hidden, but not deleted (read
+        only: left as it is, with a warning)."""
+        if self.read_only:
+            logging.warning("Checkpoint step %d in %s is unreadable (%s: %s); skipped, left as it "
+                            "is (read only).", step, self.directory, type(error).__name__,
+                            str(error)[:500])
+            return
         target = self.directory / f"{step}.corrupt-{int(time.time())}"
         logging.warning("Checkpoint step %d in %s is unreadable (%s: %s); moving it to %s and "
                         "falling back to the previous step.", step, self.directory,
@@ -240,6 +272,8 @@ class Checkpointer:
         A step that already exists is not rewritten (e.g. the final save right after a periodic
         one). A step below the latest is saved only with `force`.
         """
+        if self.read_only:
+            raise ValueError(f"Checkpointer({self.directory}, read_only=True) cannot save.")
         if step in self._manager.all_steps():
             logging.info("Checkpoint step %d already exists in %s; not saved again.", step,
                          self.directory)
@@ -328,12 +362,13 @@ class Checkpointer:
         """(state, metadata) of the newest readable step; None if there are no steps.
 
         An unreadable step is moved aside with a warning naming it and the previous one is
-        tried, so afterwards `latest_step()` is the restored step. `abstract` is as in
-        `restore`; pass a function of the metadata when the state's shape depends on the step
-        (a fallback may cross the SFT -> GRPO boundary). A `CheckpointMismatchError` (wrong
-        config) is raised, never treated as corruption. Raises RuntimeError if steps exist but
-        none is readable. The tracebacks tensorstore's late callbacks print after a failed read
-        ("Event loop is closed") are held back and counted in one warning.
+        tried, so afterwards `latest_step()` is the restored step (read only: skipped, and still
+        listed). `abstract` is as in `restore`; pass a function of the metadata when the state's
+        shape depends on the step (a fallback may cross the SFT -> GRPO boundary). A
+        `CheckpointMismatchError` (wrong config) is raised, never treated as corruption. Raises
+        RuntimeError if steps exist but none is readable. The tracebacks tensorstore's late
+        callbacks print after a failed read ("Event loop is closed") are held back and counted in
+        one warning.
         """
         tried = self.all_steps()
         with _quiet_stderr() as noise:
@@ -347,9 +382,35 @@ class Checkpointer:
                     self._manager.reload()
                     noise.failed = True
         if tried:
+            aside = "left in place" if self.read_only else "renamed to <step>.corrupt-*"
             raise RuntimeError(f"no readable checkpoint in {self.directory}: steps {tried} were "
-                               f"all unreadable and have been renamed to <step>.corrupt-*.")
+                               f"all unreadable ({aside}).")
         return None
+
+    def restore_newest(self, abstract: Any, tries: int = 5) -> tuple[Any, dict[str, Any]]:
+        """`restore` of the newest step on disk now. Where a run still training in this
+        directory deletes that step while it is read (its keep policy), the then newest is read
+        instead, up to `tries` steps. `abstract` is as in `restore`."""
+        with _quiet_stderr() as noise:
+            for _ in range(tries):
+                self._manager.reload()
+                step = self.latest_step()
+                if step is None:
+                    raise FileNotFoundError(f"no checkpoint in {self.directory}")
+                try:
+                    return self.restore(abstract, step)
+                except CheckpointMismatchError:
+                    raise
+                except Exception:  # noqa: BLE001 - a read failure: gone, or unreadable
+                    self._manager.reload()
+                    if step in self._manager.all_steps():
+                        raise
+                    noise.failed = True
+                    logging.info("Checkpoint step %d in %s was deleted while it was read; "
+                                 "reading the newest step now.", step, self.directory)
+        raise RuntimeError(f"{tries} newest checkpoints in {self.directory} were each deleted "
+                           f"while they were read: the run there saves faster than they can be "
+                           f"read. Name a step it keeps, or read once it has ended.")
 
     def close(self) -> None:
         """Waits for the pending save and releases the manager; call before the process exits."""

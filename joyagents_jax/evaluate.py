@@ -9,6 +9,7 @@ and `eval_<step>.md` into the workdir and prints the table.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -29,11 +30,16 @@ def load_run(workdir: str, step: int | None = None) -> tuple[experiment.Experime
     with open(path) as f:
         config = _merged(config_lib.get_config(), json.load(f))
     exp = experiment.Experiment(config, workdir)
-    ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"))
-    if ckpt.latest_step() is None:
-        raise ValueError(f"No checkpoint in {workdir}/checkpoints: train first.")
-    fresh = exp.init_run()
-    run, _ = ckpt.restore(lambda m: train.abstract_run(exp, fresh, m), step)
+    # Read only: beside a run still training here, opening must not remove its save in progress.
+    with checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True) as ckpt:
+        if ckpt.latest_step() is None:
+            raise ValueError(f"No checkpoint in {workdir}/checkpoints: train first.")
+        if step is not None and step not in ckpt.all_steps():
+            raise ValueError(f"no checkpoint step {step} in {workdir}/checkpoints; the steps "
+                             f"there are {ckpt.all_steps()} (default: the latest).")
+        fresh = exp.init_run()
+        abstract = functools.partial(train.abstract_run, exp, fresh)  # of the step's metadata
+        run, _ = ckpt.restore_newest(abstract) if step is None else ckpt.restore(abstract, step)
     return exp, exp.attach_bases(run, fresh)
 
 

@@ -41,9 +41,15 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
     """Runs (or resumes) the whole pipeline; returns the final evaluation's metrics.
 
     The config and the workdir are checked before anything is built or written; a workdir whose
-    run already reached its last step is left as it is.
+    run already reached its last step is left as it is, and one that another run holds is
+    refused (`workdir.held`).
     """
     config_checks.validate(config)
+    with workdir_lib.held(workdir, enabled=jax.process_index() == 0):
+        return _train(config, workdir)
+
+
+def _train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
     distributed.primary_first("workdir_check", lambda: workdir_lib.check(config, workdir))
     final = workdir_lib.finished(config, workdir)
     if final is not None:
@@ -238,10 +244,11 @@ def parse_config_flags(prog: str, argv: list[str], usage: str):
         print(usage)
         return 0
     values = flags.FlagValues()
-    try:  # config_flags reads the --config.KEY overrides already while defining the flag
+    try:  # config_flags reads the --config.KEY overrides already while defining the flag (from
+        # `argv`, not sys.argv, so an in-process `main(argv)` gets its own overrides)
         config_flags.DEFINE_config_file("config", config_lib.__file__,
                                         "Config file (get_config).", flag_values=values,
-                                        lock_config=False)
+                                        lock_config=False, sys_argv=[prog] + list(argv))
         flags.DEFINE_string("workdir", "workdir/default", "Where checkpoints, logs, plots go.",
                             flag_values=values)
         values([prog] + list(argv))

@@ -1,5 +1,5 @@
-"""A run's workdir, checked before any work: writable, compatible with the run saved there,
-finished or not, and set aside on an explicit restart.
+"""A run's workdir, checked before any work: not in use by another run, writable, compatible
+with the run saved there, finished or not, and set aside on an explicit restart.
 
 Nothing here imports JAX or builds data, so a bad workdir fails within a second of the start,
 and nothing in the workdir is changed before the checks pass.
@@ -7,17 +7,23 @@ and nothing in the workdir is changed before the checks pass.
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import fcntl
 import json
 import logging
 import os
+import socket
+import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import ml_collections
 
-CONFIG, FINAL_EVAL, CHECKPOINTS = "config.json", "final_eval.json", "checkpoints"
+CONFIG, FINAL_EVAL, CHECKPOINTS, LOCK = ("config.json", "final_eval.json", "checkpoints",
+                                        "train.lock")
 # Keys that shape the checkpointed arrays: a resume under other values cannot restore them.
 ARRAY_KEYS = ("agents", "groups", "param_dtype", "tokenizer", "memory.enabled",
               "memory.capacity", "memory.response_len", "memory.request_len")
@@ -53,13 +59,59 @@ def corrupt_steps(workdir: str | os.PathLike) -> list[str]:
     return sorted(p.name for p in folder.glob("*.corrupt-*")) if folder.is_dir() else []
 
 
+@contextlib.contextmanager
+def held(workdir: str | os.PathLike, *, enabled: bool = True) -> Iterator[None]:
+    """Holds `<workdir>/train.lock` while a run trains there, so a second run in the same workdir
+    is refused before it reads or moves anything (two runs would delete each other's saves in
+    progress and interleave their logs). The lock is the kernel's (flock): it goes with the
+    process however it ends, so a killed run never blocks its rerun. One process per job takes
+    it (`enabled`: process 0); where the filesystem has no locks, a warning says so and the run
+    goes on unguarded."""
+    if not enabled:
+        yield
+        return
+    workdir = Path(workdir)
+    _not_a_file(workdir)
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(workdir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise WorkdirError(f"cannot write to {workdir} ({e.strerror or e}); make it writable or "
+                           f"pass another --workdir.") from e
+    try:
+        _lock(fd, workdir)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _lock(fd: int, workdir: Path) -> None:
+    """Takes the lock on `fd` and writes who holds it; raises `WorkdirError` naming the holder."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
+        raise WorkdirError(
+            f"--workdir {workdir} is in use by another run ({holder}). Wait for it to end, stop "
+            f"it (Ctrl-C or SIGTERM saves a checkpoint that a rerun here resumes from), or pass "
+            f"another --workdir.") from None
+    except OSError as e:  # e.g. a network filesystem without locks
+        logging.getLogger("joyagents").warning(
+            "cannot lock %s (%s): a second run started in this workdir would not be refused.",
+            workdir / LOCK, e.strerror or e)
+        return
+    started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    holder = f"pid {os.getpid()} on {socket.gethostname()}, since {started}: {' '.join(sys.argv)}"
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, holder.encode(), 0)
+
+
 def check(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> None:
     """Raises `WorkdirError` unless `workdir` can hold this run; changes nothing on disk except
     a probe file written and removed in `checkpoints/` (and, with `config.restart`, the
     previous run's files moved into `restart-<time>/`)."""
     workdir = Path(workdir)
-    if workdir.exists() and not workdir.is_dir():
-        raise WorkdirError(f"--workdir {workdir} is a file; pass a folder (it is created).")
+    _not_a_file(workdir)
     if config.restart:
         _restart(workdir)
     _probe(workdir / CHECKPOINTS)
@@ -67,6 +119,11 @@ def check(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> None
         _compatible(config, workdir)
     elif corrupt_steps(workdir):
         raise unreadable(workdir)
+
+
+def _not_a_file(workdir: Path) -> None:
+    if workdir.exists() and not workdir.is_dir():
+        raise WorkdirError(f"--workdir {workdir} is a file; pass a folder (it is created).")
 
 
 def unreadable(workdir: str | os.PathLike) -> WorkdirError:

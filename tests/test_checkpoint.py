@@ -2,6 +2,7 @@
 
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -187,6 +188,65 @@ def test_empty_directory_restores_nothing(tmp_path):
     with checkpoint.Checkpointer(tmp_path / "new") as ckpt:
         assert ckpt.latest_step() is None
         assert ckpt.restore_latest_valid({"w": jnp.zeros(2)}) is None
+
+
+def test_a_reader_beside_a_live_run_changes_nothing(tmp_path, caplog):
+    with checkpoint.Checkpointer(tmp_path, keep=3, async_save=False) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, {"w": jnp.full(4, step, jnp.float32)}, {"step": step})
+    _corrupt(tmp_path / "3", only_arrays=True)
+    (tmp_path / "4.orbax-checkpoint-tmp").mkdir()  # a live run's save in progress
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with caplog.at_level(logging.WARNING), \
+            checkpoint.Checkpointer(tmp_path, keep=1, read_only=True) as reader:
+        state, meta = reader.restore_latest_valid({"w": jnp.zeros(4, jnp.float32)})
+        assert meta == {"step": 2}  # step 3 skipped, not renamed
+        with pytest.raises(ValueError, match="read_only=True.*cannot save"):
+            reader.save(5, state, meta)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    assert "step 3" in caplog.text and "read only" in caplog.text
+    assert "Given directory is read only" not in caplog.text  # orbax's notice, asked for
+    with checkpoint.Checkpointer(tmp_path):  # a writer opening here removes that save
+        assert not (tmp_path / "4.orbax-checkpoint-tmp").exists()
+
+
+def test_restore_newest_reads_on_when_a_live_run_deletes_the_step_it_reads(tmp_path, monkeypatch):
+    with checkpoint.Checkpointer(tmp_path, keep=5, async_save=False) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, {"w": jnp.full(4, step, jnp.float32)}, {"step": step})
+    reader = checkpoint.Checkpointer(tmp_path, read_only=True)
+    restore, read = reader.restore, []
+
+    def deleted_while_read(abstract, step):  # the writer's keep policy, mid-read
+        read.append(step)
+        if step == 3:
+            shutil.rmtree(tmp_path / "3")
+        return restore(abstract, step)
+
+    monkeypatch.setattr(reader, "restore", deleted_while_read)
+    state, meta = reader.restore_newest({"w": jnp.zeros(4, jnp.float32)})
+    assert (read, meta) == ([3, 2], {"step": 2})
+    np.testing.assert_array_equal(state["w"], np.full(4, 2.0))
+    _corrupt(tmp_path / "2", only_arrays=True)  # unreadable but still there: its error
+    with pytest.raises(ValueError, match="Expecting value"):  # the array index's JSON
+        reader.restore_newest({"w": jnp.zeros(4, jnp.float32)})
+
+
+def test_restore_newest_gives_up_after_tries_steps_deleted_while_read(tmp_path, monkeypatch):
+    with checkpoint.Checkpointer(tmp_path, keep=5, async_save=False) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, {"w": jnp.full(4, step, jnp.float32)}, {"step": step})
+    reader = checkpoint.Checkpointer(tmp_path, read_only=True)
+    restore = reader.restore
+
+    def deleted_while_read(abstract, step):
+        shutil.rmtree(tmp_path / str(step))
+        return restore(abstract, step)
+
+    monkeypatch.setattr(reader, "restore", deleted_while_read)
+    with pytest.raises(RuntimeError, match="2 newest checkpoints .* each deleted while"):
+        reader.restore_newest({"w": jnp.zeros(4, jnp.float32)}, tries=2)
+    assert reader.all_steps() == [1]
 
 
 def _run(code: str, devices: int = 1) -> subprocess.CompletedProcess:

@@ -16,6 +16,7 @@ import pytest
 
 from joyagents_jax import batching, checkpoint, evaluate, export, metrics, selection, train
 from joyagents_jax import config as config_lib
+from joyagents_jax import workdir as workdir_lib
 from joyagents_jax.data import assistant_suite as suite
 from joyagents_jax.rl import rollout
 
@@ -152,7 +153,7 @@ def test_corrupted_latest_checkpoint_falls_back(reference_run, tmp_path, caplog)
     assert meta["step"] == 5 and "6" in caplog.text
 
 
-def test_cli_train_eval_export_plot(reference_run, tmp_path):
+def test_cli_train_eval_export_plot(reference_run, tmp_path, capsys):
     import torch
     import transformers
     from joyagents_jax.models import qwen2
@@ -176,6 +177,9 @@ def test_cli_train_eval_export_plot(reference_run, tmp_path):
 
     from joyagents_jax import cli
     assert cli.main(["eval", "--workdir", reference_run, "--examples", "2"]) == 0
+    capsys.readouterr()
+    assert cli.main(["eval", "--workdir", reference_run, "--step", "99"]) == 2
+    assert "no checkpoint step 99 in" in capsys.readouterr().err  # one line, no traceback
     results = json.load(open(os.path.join(reference_run, "eval_6.json")))
     assert set(results) == {"test, memory", "test, no memory", "test_novel, memory",
                             "test_novel, no memory"}
@@ -243,7 +247,7 @@ def test_rerunning_a_finished_run_changes_nothing(reference_run, capsys):
         return {os.path.relpath(os.path.join(root, f), reference_run):
                 open(os.path.join(root, f), "rb").read()
                 for root, _, files in os.walk(reference_run) for f in files
-                if not f.startswith("eval_")}
+                if not f.startswith("eval_") and f != workdir_lib.LOCK}  # the lock: who holds it
     before = snapshot()
     final = train.train(_config(), reference_run)
     assert snapshot() == before

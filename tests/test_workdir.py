@@ -1,13 +1,21 @@
-"""The workdir checks that run before any work: writable, compatible, finished, restart."""
+"""The workdir checks that run before any work: one run at a time, writable, compatible,
+finished, restart."""
 
+import errno
+import fcntl
 import json
 import logging
 import os
+import signal
+import subprocess
+import sys
 
 import pytest
 
 from joyagents_jax import config as config_lib
-from joyagents_jax import workdir
+from joyagents_jax import train, workdir
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _saved_run(path, config=None, steps=(3,), final=None):
@@ -95,3 +103,64 @@ def test_finished_needs_the_final_evaluation_at_the_last_step(tmp_path):
     assert workdir.finished(c, _saved_run(tmp_path / "d", steps=(total,), final={})) is None
     c.grpo.steps += 10  # the same workdir, trained longer: not finished
     assert workdir.finished(c, tmp_path / "a") is None
+
+
+def test_a_held_workdir_refuses_a_second_run_naming_the_first(tmp_path):
+    with workdir.held(tmp_path / "w"):
+        holder = (tmp_path / "w" / workdir.LOCK).read_text()
+        assert holder.startswith(f"pid {os.getpid()} on ")
+        with pytest.raises(workdir.WorkdirError, match=rf"in use by another run \(pid "
+                                                        rf"{os.getpid()} on .*another --workdir"):
+            with workdir.held(tmp_path / "w"):
+                pass
+    with workdir.held(tmp_path / "w"):  # released on leaving
+        pass
+
+
+def test_the_lock_goes_with_a_killed_holder(tmp_path):
+    code = ("import sys, time; from joyagents_jax import workdir\n"
+            f"with workdir.held({str(tmp_path)!r}):\n print('held', flush=True); time.sleep(120)")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout.readline() == "held\n"
+        with pytest.raises(workdir.WorkdirError, match=f"pid {proc.pid} "):
+            with workdir.held(tmp_path):
+                pass
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    with workdir.held(tmp_path):  # no stale lock: the kernel released it with the process
+        pass
+
+
+def test_only_the_enabled_process_takes_the_lock(tmp_path):
+    with workdir.held(tmp_path / "w", enabled=False), workdir.held(tmp_path / "w", enabled=False):
+        assert not (tmp_path / "w").exists()
+
+
+def test_a_filesystem_without_locks_warns_and_goes_on(tmp_path, monkeypatch, caplog):
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with caplog.at_level(logging.WARNING), workdir.held(tmp_path / "w"):
+        assert "would not be refused" in caplog.text and "No locks available" in caplog.text
+
+
+def test_a_file_as_workdir_is_refused_before_locking(tmp_path):
+    (tmp_path / "w").write_text("not a folder")
+    with pytest.raises(workdir.WorkdirError, match="is a file"):
+        with workdir.held(tmp_path / "w"):
+            pass
+
+
+def test_train_refuses_a_workdir_in_use_and_moves_nothing(tmp_path, capsys):
+    run = _saved_run(tmp_path / "w")
+    before = _files(run)
+    with workdir.held(run):
+        rc = train.main([f"--workdir={run}", "--config.restart=true"])
+    assert rc == 2
+    assert "is in use by another run" in capsys.readouterr().err
+    assert {k: v for k, v in _files(run).items() if k != workdir.LOCK} == before
