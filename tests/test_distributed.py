@@ -5,9 +5,11 @@ import json
 import logging
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -110,10 +112,18 @@ def test_global_batch_on_8_devices():
                           "feed a multiple of 8 rows per process.")
 
 
+# Execs argv[1:] with SIGINT at its default: pytest started as a background job of a script
+# ignores SIGINT, its children inherit that, and bash cannot trap a signal ignored on entry.
+_SIGINT_DEFAULT = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                   "os.execvp(sys.argv[1], sys.argv[1:])")
+
+
 def start_group(cmd: list[str], env: dict) -> subprocess.Popen:
-    """Starts `cmd` at the repo root in a session of its own, stdout and stderr together."""
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    """Starts `cmd` at the repo root in a session of its own, SIGINT at its default, stdout and
+    stderr together."""
+    return subprocess.Popen([sys.executable, "-c", _SIGINT_DEFAULT, *cmd], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
 
 
 def _kill_session(sid: int) -> None:
@@ -218,11 +228,18 @@ print("saved", flush=True)
 """
 
 
-def _read_until(proc: subprocess.Popen, marker: bytes, count: int, out: bytes = b"") -> bytes:
+def _read_until(proc: subprocess.Popen, marker: bytes, count: int, out: bytes = b"",
+                timeout: float = 60) -> bytes:
     """`out` and what `proc` prints next, up to the point where `marker` has appeared `count`
-    times."""
+    times; after `timeout` s its session is killed and the test fails."""
+    deadline = time.monotonic() + timeout
     while out.count(marker) < count:
-        chunk = proc.stdout.read1(4096)
+        ready, _, _ = select.select([proc.stdout], [], [], max(deadline - time.monotonic(), 0))
+        if not ready:
+            _kill_session(proc.pid)
+            pytest.fail(f"{marker!r} did not appear {count} times in {timeout} s:\n"
+                        f"{out.decode()}")
+        chunk = os.read(proc.stdout.fileno(), 65536)
         assert chunk, f"the job ended before {marker!r} appeared {count} times:\n{out.decode()}"
         out += chunk
     return out
