@@ -234,6 +234,35 @@ def test_exported_agents_generate_our_greedy_text_in_transformers_alone(referenc
         assert ours_text, "an empty generation would compare nothing"
 
 
+def test_an_export_is_replaced_whole_or_not_at_all(reference_run, tmp_path, monkeypatch):
+    def files(folder):
+        return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*")
+                if p.is_file()}
+
+    out = tmp_path / "export"
+    export.export(reference_run, str(out))
+    (out / "math_of_another_run").mkdir()  # what an export of other agents left
+    (out / "math_of_another_run" / "config.json").write_text("{}")
+    before = files(out)
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(export.memory_lib, "dump", disk_full)  # after every agent's weights
+    with pytest.raises(OSError, match="No space left"):
+        export.export(reference_run, str(out))
+    assert files(out) == before  # the previous export, untouched
+    assert [p.name.split("-")[0] for p in tmp_path.glob("export.partial-*")] == ["export.partial"]
+    monkeypatch.undo()
+    export.export(reference_run, str(out))
+    assert not (out / "math_of_another_run").exists()
+    assert files(out).keys() == {k for k in before if "math_of_another_run" not in k}
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "mine.txt").write_text("not an export")
+    with pytest.raises(ValueError, match="not an export .*new or empty folder"):
+        export.export(reference_run, str(tmp_path / "notes"))
+
+
 def test_a_bad_config_fails_before_the_workdir_is_touched(tmp_path):
     data = tmp_path / "data"
     with pytest.raises(ValueError, match=r"2 config problem\(s\):\n  - config.grpo.kl='k9'"):
