@@ -65,6 +65,19 @@ class CheckpointMismatchError(ValueError):
     """The abstract tree's arrays differ from the checkpoint's (another config or agent set)."""
 
 
+class SaveError(RuntimeError):
+    """A checkpoint could not be written (a full disk, a quota, permissions); the steps saved
+    before it are whole."""
+
+
+def _reason(error: Exception) -> str:
+    """The OS's words for a failed write: tensorstore names the errno in its message."""
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    code = re.search(r"os_error_code='?(\d+)", str(error))
+    return os.strerror(int(code.group(1))) if code else f"{type(error).__name__}: {error}"[:300]
+
+
 # ----------------------------------------------------------------------------------------------
 # Layout: what a restore must agree with.
 # ----------------------------------------------------------------------------------------------
@@ -283,7 +296,24 @@ class Checkpointer:
         args = ocp.args.Composite(**{STATE: ocp.args.StandardSave(state),
                                      METADATA: ocp.args.JsonSave(metadata),
                                      LAYOUT: ocp.args.JsonSave(layout)})
-        return self._manager.save(step, args=args, force=force, metrics=self._metrics(metadata))
+        with self._writing():  # also raises the previous asynchronous save's failure
+            return self._manager.save(step, args=args, force=force,
+                                      metrics=self._metrics(metadata))
+
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        """Turns a failed write into a `SaveError` naming the cause and the last whole step."""
+        try:
+            yield
+        except SaveError:
+            raise
+        except Exception as e:  # noqa: BLE001 - orbax and tensorstore raise many types
+            whole = [int(p.name) for p in self.directory.iterdir() if p.name.isdigit()]
+            raise SaveError(
+                f"writing a checkpoint to {self.directory} failed ({_reason(e)}). The steps "
+                f"saved before are whole (latest: {max(whole, default='none')}); rerun the same "
+                f"command once the cause is fixed (a full disk: make room, or keep fewer steps "
+                f"with --config.checkpoint.keep) and it resumes from there.") from e
 
     def _metrics(self, metadata: Mapping[str, Any]) -> dict[str, float] | None:
         """The ranking metric for orbax; a step without it ranks below every step with it."""
@@ -293,8 +323,9 @@ class Checkpointer:
         return {self.best_metric: float("-inf") if value is None else float(value)}
 
     def wait(self) -> None:
-        """Blocks until the pending asynchronous save is on disk (and raises its error)."""
-        self._manager.wait_until_finished()
+        """Blocks until the pending asynchronous save is on disk (a failure: `SaveError`)."""
+        with self._writing():
+            self._manager.wait_until_finished()
 
     def all_steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
@@ -414,7 +445,8 @@ class Checkpointer:
 
     def close(self) -> None:
         """Waits for the pending save and releases the manager; call before the process exits."""
-        self._manager.close()
+        with self._writing():
+            self._manager.close()
 
     def __enter__(self) -> Checkpointer:
         return self

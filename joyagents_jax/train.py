@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # bad config, workdir or input: a clear message, no traceback
         print(f"joyagents train: {e}", file=sys.stderr)
         return 2
-    except TrainingStopped as e:
+    except (TrainingStopped, checkpoint.SaveError) as e:
         print(f"joyagents train: {e}", file=sys.stderr)
         return 1
     return 0

@@ -249,6 +249,33 @@ def test_restore_newest_gives_up_after_tries_steps_deleted_while_read(tmp_path, 
     assert reader.all_steps() == [1]
 
 
+def test_a_failed_write_is_a_save_error_naming_the_cause_and_the_last_whole_step(tmp_path,
+                                                                                monkeypatch):
+    full = ValueError("RESOURCE_EXHAUSTED: Error writing \"w/0.0\" in OCDBT database: Failed to "
+                      "write 356058 bytes to file 12: No space left on device "
+                      "[os_error_code='28']")  # tensorstore's words, from a full tmpfs
+
+    def fails(*args, **kwargs):
+        raise full
+
+    with checkpoint.Checkpointer(tmp_path, async_save=False) as ckpt:
+        ckpt.save(1, {"w": jnp.ones(4)}, {"step": 1})
+        monkeypatch.setattr(ckpt._manager, "save", fails)
+        with pytest.raises(checkpoint.SaveError, match=r"failed \(No space left on device\)\. "
+                                                       r"The steps saved before are whole "
+                                                       r"\(latest: 1\)") as error:
+            ckpt.save(2, {"w": jnp.ones(4)}, {"step": 2})
+        assert error.value.__cause__ is full
+        def over_quota():
+            raise OSError(122, "Disk quota exceeded")
+
+        monkeypatch.setattr(ckpt._manager, "wait_until_finished", over_quota)
+        with pytest.raises(checkpoint.SaveError, match=r"\(Disk quota exceeded\)"):
+            ckpt.wait()
+        monkeypatch.undo()
+    assert ckpt.all_steps() == [1]
+
+
 def _run(code: str, devices: int = 1) -> subprocess.CompletedProcess:
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}

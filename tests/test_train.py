@@ -263,6 +263,16 @@ def test_an_export_is_replaced_whole_or_not_at_all(reference_run, tmp_path, monk
         export.export(reference_run, str(tmp_path / "notes"))
 
 
+def test_a_failed_save_ends_train_with_one_line_and_status_1(tmp_path, monkeypatch, capsys):
+    def disk_full(config, workdir):
+        raise checkpoint.SaveError("writing a checkpoint to W failed (No space left on device).")
+
+    monkeypatch.setattr(train, "train", disk_full)
+    assert train.main([f"--workdir={tmp_path}"]) == 1
+    assert capsys.readouterr().err == ("joyagents train: writing a checkpoint to W failed (No "
+                                       "space left on device).\n")
+
+
 def test_a_bad_config_fails_before_the_workdir_is_touched(tmp_path):
     data = tmp_path / "data"
     with pytest.raises(ValueError, match=r"2 config problem\(s\):\n  - config.grpo.kl='k9'"):
