@@ -308,7 +308,10 @@ class Checkpointer:
         except SaveError:
             raise
         except Exception as e:  # noqa: BLE001 - orbax and tensorstore raise many types
-            whole = [int(p.name) for p in self.directory.iterdir() if p.name.isdigit()]
+            try:
+                whole = [int(p.name) for p in self.directory.iterdir() if p.name.isdigit()]
+            except OSError:  # the folder itself is what failed
+                whole = []
             raise SaveError(
                 f"writing a checkpoint to {self.directory} failed ({_reason(e)}). The steps "
                 f"saved before are whole (latest: {max(whole, default='none')}); rerun the same "
