@@ -8,9 +8,9 @@ The loop holds one `RunState` (train state, memory tables, step) and replaces it
 with `Experiment.sft_iteration` or `Experiment.grpo_iteration` (rollout -> GRPO update -> memory
 update). Evaluation every `eval.sft_every` / `eval.grpo_every` steps of each phase and at each
 phase's end; a checkpoint of the whole run state every `checkpoint.every` steps, at the end of
-each phase, and on SIGTERM (preemption). Restarting on the same workdir resumes from the latest
-readable checkpoint, and since every random draw derives from (seed, step), the resumed run
-continues exactly as an uninterrupted one.
+each phase, and on SIGTERM, SIGINT or SIGHUP (preemption, Ctrl-C, a closed terminal).
+Restarting on the same workdir resumes from the latest readable checkpoint, and since every
+random draw derives from (seed, step), the resumed run continues exactly as an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -56,13 +56,14 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
         report(final, workdir, already=True)
         return final
     primary = jax.process_index() == 0
+    hangup_log = os.path.join(workdir, workdir_lib.HANGUP_LOG) if primary else os.devnull
     exp = experiment.Experiment(config, workdir)
     distributed.write_run_info(workdir, exp.mesh)
     total = config.sft.steps + config.grpo.steps
 
     with checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep,
                                  best_metric=BEST) as ckpt, \
-            preemption.Guard() as guard:
+            preemption.Guard(hangup_log=hangup_log) as guard:
         run = restore(exp, ckpt)
         if primary:  # only now: a rejected resume leaves the saved config as it was
             workdir_lib.write_config(config, workdir)

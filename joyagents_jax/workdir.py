@@ -24,10 +24,11 @@ import ml_collections
 
 CONFIG, FINAL_EVAL, CHECKPOINTS, LOCK = ("config.json", "final_eval.json", "checkpoints",
                                         "train.lock")
+HANGUP_LOG = "train.hangup.log"  # a run's output after its terminal closed (preemption.Guard)
 # Keys that shape the checkpointed arrays: a resume under other values cannot restore them.
 ARRAY_KEYS = ("agents", "groups", "param_dtype", "tokenizer", "memory.enabled",
               "memory.capacity", "memory.response_len", "memory.request_len")
-RUN_FILES = (CHECKPOINTS, "metrics.jsonl", "tb", "plots", FINAL_EVAL)
+RUN_FILES = (CHECKPOINTS, "metrics.jsonl", "tb", "plots", FINAL_EVAL, HANGUP_LOG)
 
 
 class WorkdirError(ValueError):

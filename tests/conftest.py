@@ -41,3 +41,22 @@ def qwen25_tokenizer_dir(tmp_path_factory) -> str:
     from joyagents_jax.tokenizers import build_qwen25_tokenizer
 
     return str(build_qwen25_tokenizer(tmp_path_factory.mktemp("qwen25_tokenizer")))
+
+
+@pytest.fixture
+def spawn_on_a_terminal():
+    """spawn(argv, env) starts argv as the leader of a new session whose controlling terminal
+    is a fresh pty, as a login over ssh runs a command, and returns (pid, master fd): closing
+    the master hangs the terminal up. posix_spawn, not fork: the test process runs JAX's
+    threads."""
+    def spawn(argv: list[str], env: dict[str, str]) -> tuple[int, int]:
+        master, slave = os.openpty()
+        try:
+            pid = os.posix_spawn(argv[0], argv, env, setsid=True, file_actions=[
+                (os.POSIX_SPAWN_OPEN, 0, os.ttyname(slave), os.O_RDWR, 0),
+                (os.POSIX_SPAWN_DUP2, 0, 1), (os.POSIX_SPAWN_DUP2, 0, 2)])
+        finally:
+            os.close(slave)
+        return pid, master
+
+    return spawn

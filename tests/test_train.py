@@ -4,6 +4,7 @@ import collections
 import json
 import math
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -135,6 +136,29 @@ def test_sigterm_saves_a_checkpoint_that_resumes(data_dir, tmp_path):
     final = train.train(_config(data_dir=data_dir, **{"checkpoint.every": 100}), workdir)
     assert "eval/test/accuracy" in final
     assert max(int(d) for d in os.listdir(ckpts) if d.isdigit()) == 6
+
+
+def test_a_closed_terminal_saves_a_checkpoint_and_leaves_the_last_lines_in_the_workdir(
+        data_dir, tmp_path, spawn_on_a_terminal):
+    """As over a dropped ssh connection: train leads a session whose terminal's master closes."""
+    workdir = tmp_path / "hung_up"
+    pid, master = spawn_on_a_terminal(
+        [sys.executable, "-m", "joyagents_jax.cli", "train",
+         *_cli_args(workdir, data_dir=data_dir, **{"checkpoint.every": 100})],
+        {**os.environ, "JAX_PLATFORMS": "cpu"})
+    seen, deadline = b"", time.time() + 300
+    while not workdir_lib.step_dirs(workdir):  # the end-of-SFT checkpoint
+        assert time.time() < deadline, "no checkpoint appeared in time"
+        if select.select([master], [], [], 0.2)[0]:
+            try:
+                seen += os.read(master, 65536)
+            except OSError:
+                pytest.fail(f"training exited early:\n{seen.decode(errors='replace')[-3000:]}")
+    os.close(master)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    assert 3 < workdir_lib.step_dirs(workdir)[-1] < 6
+    assert "Preempted at step" in (workdir / workdir_lib.HANGUP_LOG).read_text()
 
 
 def test_corrupted_latest_checkpoint_falls_back(reference_run, tmp_path, caplog):

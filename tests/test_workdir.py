@@ -81,6 +81,7 @@ def test_only_unreadable_checkpoints_are_refused_until_restart(tmp_path):
     run = _saved_run(tmp_path / "w", steps=())
     (run / "checkpoints" / "3.corrupt-17").mkdir(parents=True)
     (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    (run / workdir.HANGUP_LOG).write_text("Preempted at step 1\n")
     c = config_lib.get_config()
     with pytest.raises(workdir.WorkdirError, match=r"3.corrupt-17.*--config.restart=true"):
         workdir.check(c, run)
@@ -90,7 +91,9 @@ def test_only_unreadable_checkpoints_are_refused_until_restart(tmp_path):
     assert len(moved) == 1
     assert (moved[0] / "checkpoints" / "3.corrupt-17").is_dir()
     assert (moved[0] / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    assert (moved[0] / workdir.HANGUP_LOG).read_text() == "Preempted at step 1\n"
     assert not (run / "metrics.jsonl").exists() and (run / "checkpoints").is_dir()
+    assert not (run / workdir.HANGUP_LOG).exists()
 
 
 def test_finished_needs_the_final_evaluation_at_the_last_step(tmp_path):
