@@ -442,10 +442,15 @@ def _eval_and_checkpoint(c) -> Iterator[str]:
 
 
 def _mesh(c) -> Iterator[str]:
-    if not c.mesh:
-        return
     import jax
 
+    if not c.mesh:
+        if jax.process_count() > 1:  # process 0's device: the others' arrays would be empty
+            yield (f"config.mesh='': keeps every array on one device, process 0's, which the "
+                   f"other {jax.process_count() - 1} process(es) of this job cannot reach; give "
+                   f"the job a mesh over its {jax.device_count()} devices, e.g. "
+                   f"--config.mesh=fsdp=-1 (or data={jax.process_count()},fsdp=-1).")
+        return
     try:
         sizes = sharding.mesh_shape(sharding.parse_mesh(c.mesh), jax.device_count())
     except sharding.ShardingError as e:

@@ -214,6 +214,16 @@ def test_batch_must_split_over_the_mesh(monkeypatch):
                      "size 8; use a multiple of 8."]
 
 
+def test_a_multi_process_job_needs_a_mesh(monkeypatch):
+    monkeypatch.setattr("jax.process_count", lambda: 2)
+    monkeypatch.setattr("jax.device_count", lambda: 4)
+    assert config_checks.problems(_with(mesh="")) == [
+        "config.mesh='': keeps every array on one device, process 0's, which the other 1 "
+        "process(es) of this job cannot reach; give the job a mesh over its 4 devices, e.g. "
+        "--config.mesh=fsdp=-1 (or data=2,fsdp=-1)."]
+    assert config_checks.problems(_with(mesh="fsdp=-1")) == []
+
+
 def test_agents_in_passes_are_refused_when_the_mesh_splits_the_agents(monkeypatch):
     monkeypatch.setattr("jax.device_count", lambda: 8)
     found = config_checks.problems(_with(mesh="agent=2,fsdp=4", agents_per_pass=1))
