@@ -249,7 +249,7 @@ class Experiment:
         first with uncommitted arrays would compile twice."""
         if self.mesh is None:
             return jax.device_put(state, jax.devices()[0])
-        return jax.device_put(state, ts.state_shardings(state, self.mesh))
+        return sharding.place(state, ts.state_shardings(state, self.mesh))
 
     def _batch_shardings(self, batch):
         """Per-agent arrays split over agents and data-parallel devices; tables replicated."""

@@ -224,7 +224,29 @@ def abstract(tree: Any, shardings: Any) -> Any:
 
 def shard_params(params: Any, shardings: Any) -> Any:
     """Moves (or reshards) a params pytree onto its shardings."""
-    return jax.device_put(params, shardings)
+    return place(params, shardings)
+
+
+def place(tree: Any, shardings: Any) -> Any:
+    """`tree` (global arrays, one-device arrays, host values) on `shardings`, a tree like it.
+
+    In a multi-process job the leaves that are not yet global arrays go through a jitted copy:
+    `jax.device_put` built global arrays whose shards could not be read from a jit output that
+    depends on no input value (optax's zero moments) when each process had one device (jax
+    0.10.2; orbax then failed to save them). Global arrays are resharded with `device_put`.
+    """
+    if jax.process_count() == 1:
+        return jax.device_put(tree, shardings)
+    leaves, treedef = jax.tree.flatten(tree)
+    targets = treedef.flatten_up_to(shardings)
+    is_global = [isinstance(x, jax.Array) and not x.is_fully_addressable for x in leaves]
+    local = [i for i, g in enumerate(is_global) if not g]
+    copied = jax.jit(lambda xs: xs, out_shardings=[targets[i] for i in local])(
+        [leaves[i] for i in local])
+    out = [jax.device_put(x, s) if g else None for x, s, g in zip(leaves, targets, is_global)]
+    for i, x in zip(local, copied):
+        out[i] = x
+    return treedef.unflatten(out)
 
 
 def init_params(cfg: qwen2.Qwen2Config, key: jax.Array, mesh: Mesh, rules: Rules = DEFAULT_RULES,

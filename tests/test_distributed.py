@@ -178,6 +178,47 @@ def test_two_processes_agree_through_the_launch_script():
     assert not [line for line in lines if line.startswith("[p1] processes")], proc.stdout
 
 
+# Each process: params as global arrays on an fsdp=2 mesh; their optimizer state from a jit that
+# depends on no input value (host-local arrays), a host value and the params resharded, placed
+# with `sharding.place`; every leaf's shards must be readable (as orbax reads them) and right.
+_PLACE = """
+import jax, jax.numpy as jnp, numpy as np, optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+from joyagents_jax import distributed, sharding
+distributed.initialize()
+mesh = sharding.make_mesh("fsdp=-1")
+split, whole = NamedSharding(mesh, P("agent", "fsdp")), NamedSharding(mesh, P("agent"))
+params = {"w": jax.jit(lambda: jnp.ones((2, 4, 3)), out_shardings=split)(),
+          "s": jax.jit(lambda: jnp.full((2, 4), 2.0), out_shardings=whole)()}
+tree = {"opt": jax.jit(jax.vmap(optax.adam(1e-3).init))(params), "host": np.arange(4.0),
+        "params": params}
+targets = {"opt": jax.tree.map(lambda _: whole, tree["opt"]), "host": whole,
+           "params": {"w": whole, "s": split}}
+placed = sharding.place(tree, targets)
+want = {"opt": jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), tree["opt"]),
+        "host": np.arange(4.0), "params": {"w": np.ones((2, 4, 3)), "s": np.full((2, 4), 2.0)}}
+for (path, x), s, w in zip(jax.tree_util.tree_flatten_with_path(placed)[0],
+                           jax.tree.leaves(targets), jax.tree.leaves(want)):
+    shard = x.addressable_shards[0]  # raised for the optimizer state placed by device_put
+    assert x.sharding.is_equivalent_to(s, x.ndim), jax.tree_util.keystr(path)
+    assert np.array_equal(np.asarray(shard.data), w[shard.index]), jax.tree_util.keystr(path)
+print(f"PLACED {jax.process_index()} {len(jax.tree.leaves(placed))}", flush=True)
+"""
+
+
+def test_values_placed_on_a_mesh_of_two_processes_with_one_device_each(tmp_path):
+    """As a GPU cluster runs one process per device: the GRPO phase's fresh optimizer state
+    placed with `device_put` had shards nobody could read, and orbax failed to save it."""
+    script = tmp_path / "place.py"
+    script.write_text(_PLACE)
+    env = {**os.environ, "PYTHON": sys.executable, "ENTRY": f"{sys.executable} {script}"}
+    env.pop("XLA_FLAGS", None)
+    proc = _run_group(["bash", "launch/multiprocess_cpu.sh", "-n", "2", "-d", "1", "--", "x"],
+                      env, 120)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    assert sorted(re.findall(r"PLACED (\d) (\d+)", proc.stdout)) == [("0", "8"), ("1", "8")]
+
+
 def test_launch_script_stops_everyone_when_one_fails(tmp_path):
     script = tmp_path / "fail_one.py"
     script.write_text("import os, sys, time\n"
