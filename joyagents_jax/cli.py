@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -76,7 +77,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         problem = f"unknown subcommand {argv[0]!r}" if argv else "missing subcommand"
         print(f"joyagents: {problem}\n\n{usage()}", file=sys.stderr)
         return 2
-    return COMMANDS[argv[0]].run(argv[1:])
+    return _run(COMMANDS[argv[0]], argv[1:])
+
+
+def _run(command: Command, argv: list[str]) -> int:
+    """The command's exit status. In a multi-process job a process whose command fails (an
+    exception or a non-zero status) leaves at once (`distributed.leave`)."""
+    try:
+        status = command.run(argv)
+    except Exception:
+        if not _in_a_job():
+            raise
+        traceback.print_exc()
+        status = 1
+    if status and _in_a_job():
+        from joyagents_jax import distributed
+
+        distributed.leave(status)
+    return status
+
+
+def _in_a_job() -> bool:
+    """This process joined a multi-process JAX job (only a command that imported JAX can)."""
+    return "jax" in sys.modules and sys.modules["jax"].distributed.is_initialized()
 
 
 if __name__ == "__main__":

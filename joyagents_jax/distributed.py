@@ -131,6 +131,20 @@ def to_host(tree: Any) -> Any:
     return jax.tree.map(one, tree)
 
 
+def leave(status: int) -> None:
+    """Ends this process of a multi-process job now, with `status`, its output flushed.
+
+    For a process that failed alone: a normal exit waits in jax.distributed's shutdown barrier
+    for peers that may be blocked in a collective with it, and after 5 minutes every process
+    aborts with 'Shutdown barrier has failed'. Leaving at once lets the launcher stop the others
+    (launch/multiprocess_cpu.sh, srun), or the peers' heartbeat timeout end them.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 def barrier(name: str) -> None:
     """Every process waits here until all arrive (nothing to do for a single process)."""
     if jax.process_count() > 1:

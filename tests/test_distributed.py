@@ -230,6 +230,41 @@ def test_launch_script_stops_everyone_when_one_fails(tmp_path):
     assert "SIGKILL" not in proc.stdout  # they left on SIGTERM
 
 
+# A `joyagents` subcommand that fails on process 1 while process 0 waits for it in a collective
+# (as `train` does in `Guard.stop_agreed` after each step).
+_FAIL_ALONE = """
+import sys
+import jax, numpy as np
+from jax.experimental import multihost_utils
+from joyagents_jax import cli, distributed
+
+def fail_alone(argv):
+    distributed.initialize()
+    if jax.process_index() == 1:
+        raise RuntimeError("the input only process 1 reads is missing")
+    multihost_utils.process_allgather(np.ones(1))
+    return 0
+
+cli.COMMANDS["fail-alone"] = cli.Command("fails on process 1", fail_alone)
+sys.exit(cli.main(["fail-alone"]))
+"""
+
+
+def test_a_command_that_fails_on_one_process_ends_the_job(tmp_path):
+    """Process 1 leaves at once and the launcher stops process 0. Before, process 1 waited in
+    jax.distributed's shutdown barrier until process 0's collective failed (here ~30 s; in
+    `train`, whose process 0 then waits in orbax's barrier, 5 minutes and both aborted)."""
+    script = tmp_path / "fail_alone.py"
+    script.write_text(_FAIL_ALONE)
+    env = {**os.environ, "PYTHON": sys.executable, "ENTRY": f"{sys.executable} {script}"}
+    env.pop("XLA_FLAGS", None)
+    proc = _run_group(["bash", "launch/multiprocess_cpu.sh", "-n", "2", "-d", "1", "--", "x"],
+                      env, 90)
+    assert proc.returncode == 1, proc.stdout[-6000:]
+    assert "[p1] RuntimeError: the input only process 1 reads is missing" in proc.stdout
+    assert "process 1 exited with status 1; stopping the others" in proc.stdout
+
+
 def test_launch_script_kills_the_others_a_grace_period_after_one_fails(tmp_path):
     # Processes stuck past SIGTERM (as `joyagents train` waits in a collective with a dead peer).
     script = tmp_path / "fail_one_ignore_term.py"
