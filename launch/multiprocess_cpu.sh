@@ -20,7 +20,9 @@
 # resumes from the last complete checkpoint anyway (orbax commits a checkpoint atomically).
 # Ctrl-C (SIGINT) or SIGTERM to this script gives every process one SIGTERM and waits while they
 # save and leave (exit 130 / 143); a second one kills them. Each process runs in its own process
-# group, so a terminal's Ctrl-C reaches them only through this script, once.
+# group, so a terminal's Ctrl-C reaches them only through this script, once. A closed terminal
+# (SIGHUP, e.g. a dropped ssh session) does the same once (exit 129), and what they print after
+# it is dropped; under `nohup` the job goes on.
 # example: launch/multiprocess_cpu.sh -n 2 -d 4 check-cluster
 set -euo pipefail
 
@@ -60,9 +62,17 @@ interrupt() {  # interrupt STATUS: the first INT/TERM asks every process to save
     stop_all TERM
   fi
 }
+hung_up=""
+hangup() {  # the terminal closed (it comes twice: shell and kernel): as the first INT/TERM, once
+  [[ -z $hung_up ]] || return 0
+  hung_up=1
+  exec >/dev/null 2>&1  # writes to a closed terminal fail
+  [[ -n $interrupted ]] || interrupt 129
+}
 trap stop_all EXIT
 trap 'interrupt 130' INT
 trap 'interrupt 143' TERM
+trap hangup HUP
 
 set -m  # each process (and its output prefixer) in its own process group
 for ((i = 0; i < procs; i++)); do
@@ -70,7 +80,7 @@ for ((i = 0; i < procs; i++)); do
     export JAX_COORDINATOR_ADDRESS="127.0.0.1:$port" JAX_NUM_PROCESSES=$procs JAX_PROCESS_ID=$i
     export JAX_PLATFORMS=cpu XLA_FLAGS="--xla_force_host_platform_device_count=$devices ${XLA_FLAGS:-}"
     exec $ENTRY "$@"
-  ) > >(while IFS= read -r line; do printf '[p%d] %s\n' "$i" "$line"; done) 2>&1 &
+  ) > >(while IFS= read -r line; do printf '[p%d] %s\n' "$i" "$line" || true; done) 2>&1 &
   pids+=($!)
 done
 set +m

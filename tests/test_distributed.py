@@ -301,6 +301,9 @@ while not got:
 print("saving after", signal.Signals(got[0]).name, flush=True)
 time.sleep(float(sys.argv[1]))
 print("saved", flush=True)
+if len(sys.argv) > 2:  # a record that outlives a closed terminal
+    with open(sys.argv[2], "a") as f:
+        f.write(f"p{os.environ['JAX_PROCESS_ID']} saved after {signal.Signals(got[0]).name}\\n")
 """
 
 
@@ -339,6 +342,29 @@ def test_ctrl_c_lets_every_process_save_once_and_leave(tmp_path):
     for i in range(2):
         assert f"[p{i}] saving after SIGTERM" in out and f"[p{i}] saved" in out, out
     assert "second signal" not in out
+
+
+def test_a_closed_terminal_lets_every_process_save_once_and_leave(tmp_path,
+                                                                 spawn_on_a_terminal):
+    """As a dropped ssh session: the launcher leads a session whose terminal closes. Before,
+    SIGHUP killed the launcher and left its processes running unsaved; the prefixer of the one
+    that printed died on the terminal's EIO."""
+    script, record = tmp_path / "guarded.py", tmp_path / "record.txt"
+    script.write_text(GUARDED)
+    env = {**os.environ, "PYTHON": sys.executable, "ENTRY": f"{sys.executable} {script}"}
+    pid, master = spawn_on_a_terminal(
+        ["/bin/bash", os.path.join(ROOT, "launch/multiprocess_cpu.sh"), "-n", "2", "1.0",
+         str(record)], env)
+    seen, deadline = b"", time.monotonic() + 60
+    while seen.count(b"ready") < 2:
+        assert time.monotonic() < deadline, seen.decode(errors="replace")
+        if select.select([master], [], [], 1)[0]:
+            seen += os.read(master, 65536)
+    os.close(master)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 129
+    assert sorted(record.read_text().splitlines()) == ["p0 saved after SIGTERM",
+                                                       "p1 saved after SIGTERM"]
 
 
 def test_a_second_ctrl_c_kills_the_processes(tmp_path):
