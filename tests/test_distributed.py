@@ -178,6 +178,17 @@ def test_two_processes_agree_through_the_launch_script():
     assert not [line for line in lines if line.startswith("[p1] processes")], proc.stdout
 
 
+def _two_processes_of_one_device(tmp_path, source: str, timeout: float
+                                 ) -> subprocess.CompletedProcess:
+    """Python `source` as the entry point of 2 processes x 1 CPU device under the launcher."""
+    script = tmp_path / "entry.py"
+    script.write_text(source)
+    env = {**os.environ, "PYTHON": sys.executable, "ENTRY": f"{sys.executable} {script}"}
+    env.pop("XLA_FLAGS", None)
+    return _run_group(["bash", "launch/multiprocess_cpu.sh", "-n", "2", "-d", "1", "--", "x"],
+                      env, timeout)
+
+
 # Each process: params as global arrays on an fsdp=2 mesh; their optimizer state from a jit that
 # depends on no input value (host-local arrays), a host value and the params resharded, placed
 # with `sharding.place`; every leaf's shards must be readable (as orbax reads them) and right.
@@ -209,12 +220,7 @@ print(f"PLACED {jax.process_index()} {len(jax.tree.leaves(placed))}", flush=True
 def test_values_placed_on_a_mesh_of_two_processes_with_one_device_each(tmp_path):
     """As a GPU cluster runs one process per device: the GRPO phase's fresh optimizer state
     placed with `device_put` had shards nobody could read, and orbax failed to save it."""
-    script = tmp_path / "place.py"
-    script.write_text(_PLACE)
-    env = {**os.environ, "PYTHON": sys.executable, "ENTRY": f"{sys.executable} {script}"}
-    env.pop("XLA_FLAGS", None)
-    proc = _run_group(["bash", "launch/multiprocess_cpu.sh", "-n", "2", "-d", "1", "--", "x"],
-                      env, 120)
+    proc = _two_processes_of_one_device(tmp_path, _PLACE, 120)
     assert proc.returncode == 0, proc.stdout[-6000:]
     assert sorted(re.findall(r"PLACED (\d) (\d+)", proc.stdout)) == [("0", "8"), ("1", "8")]
 
@@ -254,12 +260,7 @@ def test_a_command_that_fails_on_one_process_ends_the_job(tmp_path):
     """Process 1 leaves at once and the launcher stops process 0. Before, process 1 waited in
     jax.distributed's shutdown barrier until process 0's collective failed (here ~30 s; in
     `train`, whose process 0 then waits in orbax's barrier, 5 minutes and both aborted)."""
-    script = tmp_path / "fail_alone.py"
-    script.write_text(_FAIL_ALONE)
-    env = {**os.environ, "PYTHON": sys.executable, "ENTRY": f"{sys.executable} {script}"}
-    env.pop("XLA_FLAGS", None)
-    proc = _run_group(["bash", "launch/multiprocess_cpu.sh", "-n", "2", "-d", "1", "--", "x"],
-                      env, 90)
+    proc = _two_processes_of_one_device(tmp_path, _FAIL_ALONE, 90)
     assert proc.returncode == 1, proc.stdout[-6000:]
     assert "[p1] RuntimeError: the input only process 1 reads is missing" in proc.stdout
     assert "process 1 exited with status 1; stopping the others" in proc.stdout
