@@ -240,12 +240,13 @@ def place(tree: Any, shardings: Any) -> Any:
     leaves, treedef = jax.tree.flatten(tree)
     targets = treedef.flatten_up_to(shardings)
     is_global = [isinstance(x, jax.Array) and not x.is_fully_addressable for x in leaves]
-    local = [i for i, g in enumerate(is_global) if not g]
-    copied = jax.jit(lambda xs: xs, out_shardings=[targets[i] for i in local])(
-        [leaves[i] for i in local])
     out = [jax.device_put(x, s) if g else None for x, s, g in zip(leaves, targets, is_global)]
-    for i, x in zip(local, copied):
-        out[i] = x
+    local = [i for i, g in enumerate(is_global) if not g]
+    if local:
+        copied = jax.jit(lambda xs: xs, out_shardings=[targets[i] for i in local])(
+            [leaves[i] for i in local])
+        for i, x in zip(local, copied):
+            out[i] = x
     return treedef.unflatten(out)
 
 
